@@ -1,0 +1,156 @@
+"""Command line: `python -m hicache_lab run ...` (one configuration) and `python -m hicache_lab demo`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .config import (
+    HOST_LAYOUTS,
+    LATENCY_MODELS,
+    SYNC_MODES,
+    WRITE_POLICIES,
+    CacheConfig,
+    ConfigError,
+    ModelConfig,
+    ParallelConfig,
+    RunConfig,
+    WorkloadConfig,
+)
+from .launch import run
+from .report import mean_hit_rate
+
+# (flag, config section, field, type, help); defaults come from the dataclasses.
+FLAGS = [
+    ("--num-layers", "model", "num_layers", int, "transformer layers"),
+    ("--hidden-size", "model", "hidden_size", int, "model width"),
+    ("--num-heads", "model", "num_heads", int, "attention heads (also KV heads)"),
+    ("--vocab-size", "model", "vocab_size", int, "vocabulary size"),
+    ("--model-seed", "model", "seed", int, "seed of the model weights"),
+    ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
+    ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),
+    ("--hicache-ratio", "cache", "hicache_ratio", float, "host pool size as a multiple of the device pool"),
+    (
+        "--hicache-size",
+        "cache",
+        "hicache_size_gb",
+        float,
+        "host pool size in GB (overrides the ratio when > 0)",
+    ),
+    ("--hicache-write-policy", "cache", "write_policy", str, f"one of {', '.join(WRITE_POLICIES)}"),
+    ("--hicache-mem-layout", "cache", "host_layout", str, f"host pool layout: {', '.join(HOST_LAYOUTS)}"),
+    (
+        "--load-back-threshold",
+        "cache",
+        "load_back_threshold",
+        int,
+        "smallest host hit (tokens) worth loading",
+    ),
+    ("--latency", "cache", "latency", str, f"copy latency model: {', '.join(LATENCY_MODELS)}"),
+    (
+        "--max-copy-delay-steps",
+        "cache",
+        "max_copy_delay_steps",
+        int,
+        "virtual: copies finish 0..N steps late",
+    ),
+    (
+        "--injected-delay-ms",
+        "cache",
+        "injected_delay_ms",
+        float,
+        "real: mean extra delay per copy (exponential)",
+    ),
+    ("--num-clients", "workload", "num_clients", int, "concurrent conversations"),
+    ("--num-rounds", "workload", "num_rounds", int, "turns per conversation"),
+    ("--request-length", "workload", "request_length", int, "tokens of each conversation's first prompt"),
+    (
+        "--sub-question-input-length",
+        "workload",
+        "sub_question_input_length",
+        int,
+        "new tokens per later turn",
+    ),
+    ("--output-length", "workload", "output_length", int, "tokens generated per turn"),
+    ("--max-running-requests", "workload", "max_running_requests", int, "admission limit of a batch"),
+    ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
+    ("--sync", "parallel", "sync", str, f"cross-rank agreement: {', '.join(SYNC_MODES)}"),
+    ("--device", "parallel", "device", str, "cpu (gloo) or cuda (NCCL, CUDA streams)"),
+    ("--collective-timeout", "parallel", "collective_timeout_s", float, "seconds before a collective fails"),
+]
+SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "workload": WorkloadConfig,
+    "parallel": ParallelConfig,
+}
+
+
+def add_run_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = {name: cls() for name, cls in SECTIONS.items()}
+    for flag, section, name, kind, help_text in FLAGS:
+        default = getattr(defaults[section], name)
+        parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+    parser.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host tier (L2)")
+    parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
+    parser.add_argument(
+        "--check-outputs", action="store_true", help="compare every output with a from-scratch run"
+    )
+    parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    values = {section: {} for section in SECTIONS}
+    for flag, section, name, _, _ in FLAGS:
+        values[section][name] = getattr(args, flag.lstrip("-").replace("-", "_"))
+    values["cache"]["enable_hierarchical_cache"] = args.enable_hierarchical_cache
+    values["cache"]["skip_load_wait"] = args.skip_load_wait
+    values["workload"]["round_barrier"] = not args.no_round_barrier
+    sections = {name: SECTIONS[name](**v) for name, v in values.items()}
+    return RunConfig(**sections, check_outputs=args.check_outputs)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    summary = run(config_from_args(args), Path(args.out))
+    print(f"wrote {args.out}/summary.json and requests.jsonl ({summary['elapsed_s']:.1f} s)")
+    return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """The default workload without and with the hierarchical cache, side by side."""
+    results = {}
+    for label, hicache in (("L1 only (device pool)", False), ("L1 + L2 (HiCache, ratio 2)", True)):
+        args.enable_hierarchical_cache = hicache
+        print(f"\n=== {label} ===")
+        results[label] = run(
+            config_from_args(args), Path(args.out) / ("hicache" if hicache else "device_only")
+        )
+    print("\nmean hit rate, rounds 4-7:")
+    for label, summary in results.items():
+        rows = summary["rounds"]
+        bound = sum(r["upper_bound_hit_rate"] for r in rows if 4 <= r["round"] <= 7) / max(1, len(rows[4:8]))
+        print(f"  {label:<28} {mean_hit_rate(rows, 4, 7):6.1%}   (infinite cache: {bound:.1%})")
+    return 0 if all(s["completed"] for s in results.values()) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m hicache_lab", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    run_parser = commands.add_parser("run", help="run one configuration and write DIR/summary.json")
+    demo_parser = commands.add_parser("demo", help="the default workload without and with the host tier")
+    for p, default_out in ((run_parser, "runs/latest"), (demo_parser, "runs/demo")):
+        add_run_flags(p)
+        p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
+    run_parser.set_defaults(func=cmd_run)
+    demo_parser.set_defaults(func=cmd_demo)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

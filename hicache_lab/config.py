@@ -1,0 +1,182 @@
+"""Run configuration: plain dataclasses validated on construction.
+
+Every check raises `ConfigError` with a message that says which flag to change, so a bad run fails at
+start instead of corrupting a pool later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HOST_LAYOUTS = ("layer_first", "page_first")
+LATENCY_MODELS = ("virtual", "real")
+SYNC_MODES = ("off", "legacy", "fixed")
+DEVICES = ("cpu", "cuda")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the flag to change."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _check_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
+    _check(value in choices, f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """A tiny fp32 transformer; the same seed gives the same weights on every process."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_heads: int = 4
+    mlp_size: int = 128
+    vocab_size: int = 256
+    rope_theta: float = 10000.0
+    logit_scale: float = 8.0  # widens the top-1 margin so cached and recomputed runs pick the same tokens
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.num_layers >= 1, "--num-layers must be at least 1")
+        _check(
+            self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
+            f"--hidden-size {self.hidden_size} must split into --num-heads {self.num_heads} heads of even size",
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    """The KV cache tiers. Sizes are in tokens; `hicache_size_gb` sizes the host pool in bytes instead."""
+
+    max_total_tokens: int = 4096  # device (L1) pool size, SGLang's --max-total-tokens
+    page_size: int = 1
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # host pool = ratio x device pool
+    hicache_size_gb: float = 0.0  # when > 0, overrides the ratio
+    write_policy: str = "write_through"
+    host_layout: str = "layer_first"
+    load_back_threshold: int = 10
+    latency: str = "virtual"
+    max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
+    injected_delay_ms: float = (
+        0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
+    )
+    skip_load_wait: bool = (
+        False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.page_size >= 1, "--page-size must be at least 1")
+        _check(
+            self.max_total_tokens % self.page_size == 0,
+            f"--max-total-tokens {self.max_total_tokens} is not a multiple of --page-size {self.page_size}: "
+            f"use {self.max_total_tokens // self.page_size * self.page_size or self.page_size}",
+        )
+        _check(self.max_total_tokens >= self.page_size, "--max-total-tokens must hold at least one page")
+        _check_choice(self.write_policy, WRITE_POLICIES, "--hicache-write-policy")
+        _check_choice(self.host_layout, HOST_LAYOUTS, "--hicache-mem-layout")
+        _check_choice(self.latency, LATENCY_MODELS, "--latency")
+        _check(self.max_copy_delay_steps >= 0, "--max-copy-delay-steps must be >= 0")
+        _check(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
+        _check(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
+        if self.enable_hierarchical_cache and self.hicache_size_gb == 0:
+            _check(
+                self.hicache_ratio > 1,
+                f"--hicache-ratio {self.hicache_ratio} gives a host pool no larger than the device pool: "
+                "use a ratio > 1 (SGLang's default is 2)",
+            )
+
+    def host_tokens(self, bytes_per_token: int) -> int:
+        """Host pool size in tokens (page-aligned down); validated against the device pool."""
+        if self.hicache_size_gb > 0:
+            tokens = int(self.hicache_size_gb * 1e9) // bytes_per_token
+        else:
+            tokens = int(self.max_total_tokens * self.hicache_ratio)
+        tokens = tokens // self.page_size * self.page_size
+        _check(
+            tokens > self.max_total_tokens,
+            f"host pool ({tokens} tokens) is not larger than the device pool ({self.max_total_tokens} tokens): "
+            "raise --hicache-size or --hicache-ratio, or lower --max-total-tokens",
+        )
+        return tokens
+
+
+@dataclass(slots=True)
+class WorkloadConfig:
+    """Multi-turn conversations shaped like SGLang's bench_multiturn."""
+
+    num_clients: int = 16
+    num_rounds: int = 8
+    request_length: int = 64
+    sub_question_input_length: int = 32
+    output_length: int = 16
+    max_running_requests: int = 16  # admission limit of a batch
+    round_barrier: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_clients", "num_rounds", "request_length", "output_length", "max_running_requests"):
+            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        _check(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
+
+    def longest_sequence(self) -> int:
+        """Tokens of KV held by the last round's request: its whole prompt plus its output."""
+        per_round = self.output_length + self.sub_question_input_length
+        return self.request_length + (self.num_rounds - 1) * per_round + self.output_length
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    """World layout: tp x cp x pp ranks (lab --tp T --cp C = SGLang --tp-size T*C --attn-cp-size C)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sync: str = "fixed"
+    device: str = "cpu"
+    collective_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "cp", "pp"):
+            _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
+        _check_choice(self.sync, SYNC_MODES, "--sync")
+        _check_choice(self.device, DEVICES, "--device")
+        _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp
+
+
+@dataclass(slots=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    check_outputs: bool = False
+
+    def __post_init__(self) -> None:
+        longest = self.workload.longest_sequence()
+        _check(
+            self.cache.max_total_tokens >= longest + self.cache.page_size,
+            f"--max-total-tokens {self.cache.max_total_tokens} cannot hold one request of the workload "
+            f"({longest} tokens plus a page): raise it, or shorten the conversation",
+        )
+        _check(
+            self.model.num_layers >= self.parallel.pp,
+            f"--pp {self.parallel.pp} needs at least as many layers (--num-layers {self.model.num_layers})",
+        )
+        _check(
+            self.model.num_heads % self.parallel.tp == 0,
+            f"--num-heads {self.model.num_heads} must be divisible by --tp {self.parallel.tp}",
+        )

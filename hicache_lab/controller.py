@@ -1,0 +1,111 @@
+"""HiCacheController: issues device<->host copies and keeps their acknowledgement queues.
+
+Writes start as soon as they are asked for (write-through backs up a node the moment it is inserted); loads
+are queued during batch building and started together, layer by layer, by `start_loading()` right before
+the forward pass. Each started copy leaves a `HiCacheAck` in `ack_write_queue` / `ack_load_queue`; the
+cache (hiradix.py) consumes them in FIFO order once the ranks have agreed how many are done.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from .memory import DeviceKVPool, HostKVPool, PageAllocator
+from .transfer import CopyJob
+
+
+class HiCacheAck(NamedTuple):
+    finish_event: object  # query() / synchronize() / wait_layer(i)
+    node_ids: list[int]
+    host_indices: torch.Tensor
+    device_indices: torch.Tensor
+
+
+@dataclass
+class CopyCheck:
+    """With --check-outputs: every consumed copy is compared byte for byte with its source."""
+
+    enabled: bool = False
+    checked: int = 0
+    mismatched: list[str] = field(default_factory=list)
+
+
+class HiCacheController:
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        device_alloc: PageAllocator,
+        host_pool: HostKVPool,
+        host_alloc: PageAllocator,
+        engine,
+        check_copies: bool = False,
+    ):
+        self.device_pool, self.device_alloc = device_pool, device_alloc
+        self.host_pool, self.host_alloc = host_pool, host_alloc
+        self.engine = engine
+        self.ack_write_queue: list[HiCacheAck] = []
+        self.ack_load_queue: list[HiCacheAck] = []
+        self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self.copy_check = CopyCheck(enabled=check_copies)
+
+    def _job(self, copy_layer, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
+        layers = [
+            partial(copy_layer, self.device_pool, host_idx, device_idx, layer)
+            for layer in range(self.device_pool.num_layers)
+        ]
+        return CopyJob(layers, poison)
+
+    def write(self, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
+        """Back `device_indices` up to freshly allocated host slots; None when the host pool is full.
+
+        Returns the host slots, and with `queue_ack=False` (write-back eviction) also the event to wait on.
+        """
+        host_indices = self.host_alloc.alloc(len(device_indices))
+        if host_indices is None:
+            return None
+        poison = partial(self.host_pool.poison, host_indices)
+        job = self._job(self.host_pool.backup_from_device, host_indices, device_indices, poison)
+        ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices)
+        if queue_ack:
+            self.ack_write_queue.append(ack)
+            return host_indices
+        return host_indices, ack
+
+    def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
+        """Reserve device slots for a load started by the next `start_loading()`; None when full."""
+        device_indices = self.device_alloc.alloc(len(host_indices))
+        if device_indices is not None:
+            self.load_queue.append((host_indices, device_indices, node_id))
+        return device_indices
+
+    def start_loading(self):
+        """Start every queued load as one layer-by-layer copy; returns its event (None if none queued)."""
+        if not self.load_queue:
+            return None
+        host_idx = torch.cat([h for h, _, _ in self.load_queue])
+        device_idx = torch.cat([d for _, d, _ in self.load_queue])
+        node_ids = [n for _, _, n in self.load_queue]
+        self.load_queue = []
+        poison = partial(self.device_pool.poison, device_idx)
+        job = self._job(self.host_pool.load_to_device, host_idx, device_idx, poison)
+        ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx)
+        self.ack_load_queue.append(ack)
+        return ack.finish_event
+
+    def verify(self, ack: HiCacheAck, what: str) -> None:
+        """Compare a finished copy's destination with its source, every layer, K and V."""
+        check = self.copy_check
+        if not check.enabled:
+            return
+        for layer in range(self.device_pool.num_layers):
+            device_kv = self.device_pool.buffers(layer)
+            host_kv = self.host_pool.buffers(layer)
+            for dev, host in zip(device_kv, host_kv, strict=True):
+                got = host[ack.host_indices].to(dev.device)
+                if not torch.equal(got, dev[ack.device_indices.to(dev.device)]):
+                    check.mismatched.append(f"{what} of nodes {ack.node_ids}, layer {layer}")
+        check.checked += 1

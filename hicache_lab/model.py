@@ -1,0 +1,134 @@
+"""A tiny real transformer whose outputs prove that cached KV is right.
+
+fp32, seeded weights (the same on every process), RMSNorm, RoPE attention that reads K/V from the device pool
+by slot index, a SiLU MLP and greedy sampling. Logits are scaled (`logit_scale`) so the top-1 margin dwarfs
+float noise: a request served from cache must pick the same tokens as one computed from scratch.
+
+A model instance holds a contiguous range of layers (a PP stage) and a slice of the heads (a TP shard; the
+attention output and MLP are all-reduced over the TP compute group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import ModelConfig
+from .memory import DeviceKVPool
+
+
+@dataclass
+class ForwardBatch:
+    """The tokens of one forward pass: each request extends its sequence by `extend_lens[i]` tokens."""
+
+    tokens: torch.Tensor  # [N] input ids, requests concatenated
+    positions: torch.Tensor  # [N]
+    out_slots: torch.Tensor  # [N] device slots receiving the new tokens' K/V
+    seq_slots: list[torch.Tensor]  # per request: slots of its whole sequence so far, new tokens included
+    extend_lens: list[int]
+    load_event: object = None  # layer-wise load to wait on before attention reads the pool
+    skip_load_wait: bool = False  # fault injection: read without waiting
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+
+
+class TinyModel:
+    def __init__(
+        self, cfg: ModelConfig, device: str, layers: range | None = None, tp_rank=0, tp_size=1, tp_group=None
+    ):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.layers = layers if layers is not None else range(cfg.num_layers)
+        self.tp_size, self.tp_group = tp_size, tp_group
+        g = torch.Generator().manual_seed(cfg.seed)
+        d, f, v = cfg.hidden_size, cfg.mlp_size, cfg.vocab_size
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g) / shape[0] ** 0.5
+
+        heads = slice(tp_rank * d // tp_size, (tp_rank + 1) * d // tp_size)
+        mlp = slice(tp_rank * f // tp_size, (tp_rank + 1) * f // tp_size)
+        self.embed_tokens = torch.randn(v, d, generator=g)
+        self.lm_head = rand(d, v) * cfg.logit_scale
+        self.weights = []
+        for i in range(cfg.num_layers):  # draw every layer so each stage's slice matches the full model's
+            w = {
+                "wq": rand(d, d)[:, heads],
+                "wk": rand(d, d)[:, heads],
+                "wv": rand(d, d)[:, heads],
+                "wo": rand(d, d)[heads, :],
+                "w_up": rand(d, f)[:, mlp],
+                "w_gate": rand(d, f)[:, mlp],
+                "w_down": rand(f, d)[mlp, :],
+            }
+            if i in self.layers:
+                self.weights.append({k: t.contiguous().to(self.device) for k, t in w.items()})
+        self.embed_tokens, self.lm_head = self.embed_tokens.to(self.device), self.lm_head.to(self.device)
+        self.num_local_heads = cfg.num_heads // tp_size
+        half = cfg.head_dim // 2
+        self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=self.device) / half)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.layers.start == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.layers.stop == self.cfg.num_layers
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens[tokens.to(self.device)]
+
+    def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: DeviceKVPool) -> torch.Tensor:
+        """Run this stage's layers over `hidden` [N, hidden_size], writing new K/V into `pool`."""
+        h, hd = self.num_local_heads, self.cfg.head_dim
+        out_slots = batch.out_slots.to(self.device)
+        seq_slots = [s.to(self.device) for s in batch.seq_slots]
+        for local, w in enumerate(self.weights):
+            x = _rms_norm(hidden, 1.0)
+            q = self._rope((x @ w["wq"]).view(-1, h, hd), batch.positions)
+            k = self._rope((x @ w["wk"]).view(-1, h, hd), batch.positions)
+            v = (x @ w["wv"]).view(-1, h, hd)
+            if batch.load_event is not None and not batch.skip_load_wait:
+                batch.load_event.wait_layer(local)
+            k_pool, v_pool = pool.buffers(local)
+            k_pool[out_slots] = k
+            v_pool[out_slots] = v
+            outputs, start = [], 0
+            for n, slots in zip(batch.extend_lens, seq_slots, strict=True):
+                qi = q[start : start + n].transpose(0, 1)  # [h, n, hd]
+                ki, vi = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # [h, T, hd]
+                scores = qi @ ki.transpose(1, 2) / hd**0.5
+                causal = torch.ones(n, len(slots), dtype=torch.bool, device=self.device).tril(len(slots) - n)
+                scores = scores.masked_fill(~causal, float("-inf"))
+                outputs.append((scores.softmax(-1) @ vi).transpose(0, 1).reshape(n, h * hd))
+                start += n
+            hidden = hidden + self._all_reduce(torch.cat(outputs) @ w["wo"])
+            x = _rms_norm(hidden, 1.0)
+            mlp = torch.nn.functional.silu(x @ w["w_gate"]) * (x @ w["w_up"])
+            hidden = hidden + self._all_reduce(mlp @ w["w_down"])
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of the given hidden rows, [rows, vocab]."""
+        return _rms_norm(hidden, 1.0) @ self.lm_head
+
+    def forward(self, batch: ForwardBatch, pool: DeviceKVPool) -> torch.Tensor:
+        """All layers on one rank: tokens in, logits at each request's last token out."""
+        hidden = self.forward_layers(self.embed(batch.tokens), batch, pool)
+        last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
+        return self.logits(hidden[last])

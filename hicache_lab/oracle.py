@@ -1,0 +1,53 @@
+"""The correctness oracle: every served request against the same request computed from scratch.
+
+A request served from cache (device, host or storage) must produce logits within `LOGIT_ATOL` of a fresh
+full prefill of its prompt and answer, at every generated position, and the same tokens. Together with the
+controller's byte-for-byte copy checks this is `outputs_match_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import ModelConfig
+from .controller import CopyCheck
+from .memory import DeviceKVPool
+from .model import ForwardBatch, TinyModel
+from .scheduler import Req
+
+LOGIT_ATOL = 1e-3  # fp32 noise from a different summation order is ~1e-5; a wrong KV byte moves logits by ~1
+
+
+def reference_logits(model: TinyModel, req: Req) -> torch.Tensor:
+    """Logits at each position that produced an output token, computed with no cache at all."""
+    seq = req.prompt + req.output[:-1]
+    cfg = model.cfg
+    pool = DeviceKVPool(len(seq), cfg.num_layers, cfg.num_heads, cfg.head_dim, str(model.device))
+    slots = torch.arange(len(seq))
+    batch = ForwardBatch(torch.tensor(seq), slots, slots, [slots], [len(seq)])
+    hidden = model.forward_layers(model.embed(batch.tokens), batch, pool)
+    return model.logits(hidden[len(req.prompt) - 1 :]).cpu()
+
+
+def check_outputs(model_cfg: ModelConfig, device: str, reqs: list[Req], copies: CopyCheck | None) -> dict:
+    model = TinyModel(model_cfg, device)
+    max_error, bad_logits, bad_tokens = 0.0, [], []
+    for req in reqs:
+        expected = reference_logits(model, req)
+        error = (expected - torch.stack(req.logits)).abs().max().item()
+        if not error <= LOGIT_ATOL:  # NaN (a read of poisoned KV) fails too
+            bad_logits.append(req.rid)
+        if expected.argmax(-1).tolist() != req.output:
+            bad_tokens.append(req.rid)
+        max_error = max(max_error, error) if error == error else float("inf")
+    copy_mismatches = copies.mismatched if copies else []
+    return {
+        "requests_checked": len(reqs),
+        "max_logit_error": max_error,
+        "logit_atol": LOGIT_ATOL,
+        "requests_with_wrong_logits": bad_logits,
+        "requests_with_wrong_tokens": bad_tokens,
+        "copies_checked": copies.checked if copies else 0,
+        "copy_mismatches": copy_mismatches,
+        "ok": not bad_logits and not bad_tokens and not copy_mismatches,
+    }

@@ -1,0 +1,220 @@
+"""One rank's event loop. A step reads, in order:
+
+    advance copies -> check_hicache_events (agreed ack counts) -> build a prefill batch (match_prefix,
+    init_load_back, allocate/evict) -> start_loading -> forward -> sample -> insert finished requests.
+
+A prefill batch runs when a waiting request can be admitted (at most `max_running_requests` in flight, and
+only if its whole sequence fits in free plus evictable device slots); otherwise the running requests decode
+one token. A request reserves the device slots for its prompt and all its output tokens at admission.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .hiradix import HiRadixCache
+from .memory import DeviceKVPool, PoolExhaustedError
+from .model import ForwardBatch, TinyModel
+from .radix import TreeNode
+
+
+@dataclass(eq=False)
+class Req:
+    rid: int
+    client: int
+    round: int
+    prompt: list[int]
+    max_new_tokens: int
+    arrival: float = 0.0
+    output: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # per output token, kept for the oracle
+    prefix_indices: torch.Tensor | None = None  # device slots of the cached prefix (loaded part included)
+    own_slots: torch.Tensor | None = None  # slots reserved for the rest of the sequence, whole pages
+    last_node: TreeNode | None = None  # locked while the request runs
+    kv_len: int = 0  # tokens whose K/V are in the pool
+    cached_device: int = 0
+    cached_host: int = 0
+    upper_bound_cached: int = 0  # what an infinite cache would have matched
+    first_token_at: float = 0.0
+
+    @property
+    def finished(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+    def seq_slots(self, length: int) -> torch.Tensor:
+        """Slots of the first `length` tokens of the sequence."""
+        return torch.cat([self.prefix_indices, self.own_slots])[:length]
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str  # "prefill", "decode" or "idle"
+    ms: float
+    requests: list[int]
+    extend_tokens: int
+    prefix_tokens: int
+    acks_write: int
+    acks_load: int
+
+
+class Scheduler:
+    def __init__(
+        self,
+        model: TinyModel,
+        pool: DeviceKVPool,
+        cache: HiRadixCache,
+        engine,
+        max_running: int,
+        skip_load_wait: bool = False,
+    ):
+        self.model, self.pool, self.cache, self.engine = model, pool, cache, engine
+        self.max_running = max_running
+        self.skip_load_wait = skip_load_wait
+        self.page_size = cache.cfg.page_size
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self.step_count = 0
+        self.records: list[StepRecord] = []
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.page_size) * self.page_size
+
+    # -- one step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[Req]:
+        """Run one scheduler step; returns the requests that finished in it."""
+        start = time.perf_counter()
+        self.engine.advance(self.step_count)
+        acks = self.cache.check_hicache_events()
+        batch = self._admit_batch()
+        if batch:
+            kind, forward = "prefill", self._prefill(batch)
+            self.running.extend(batch)
+        elif self.running:
+            kind, forward = "decode", self._decode(self.running)
+            batch = self.running
+        else:
+            kind, forward = "idle", None
+        finished = [r for r in self.running if r.finished]
+        for req in finished:
+            self._cache_finished_req(req)
+        self.running = [r for r in self.running if not r.finished]
+        self.records.append(
+            StepRecord(
+                self.step_count,
+                kind,
+                (time.perf_counter() - start) * 1e3,
+                [r.rid for r in batch],
+                sum(forward.extend_lens) if forward else 0,
+                sum(len(r.prefix_indices) for r in batch) if kind == "prefill" else 0,
+                *acks,
+            )
+        )
+        self.step_count += 1
+        if self.waiting and not self.running and not batch and not self.cache.copies_in_flight():
+            raise PoolExhaustedError(
+                f"request {self.waiting[0].rid} ({len(self.waiting[0].prompt)} prompt tokens) can never fit "
+                "the device pool: raise --max-total-tokens"
+            )
+        return finished
+
+    def _admit_batch(self) -> list[Req]:
+        batch = []
+        while (
+            self.waiting
+            and len(self.running) + len(batch) < self.max_running
+            and self._admit(self.waiting[0])
+        ):
+            batch.append(self.waiting.popleft())
+        return batch
+
+    def _admit(self, req: Req) -> bool:
+        """Match, lock, check room, load back, reserve slots; False (and nothing held) if it does not fit."""
+        ps, tree = self.page_size, self.cache.tree
+        match = self.cache.match_prefix(tuple(req.prompt[: (len(req.prompt) - 1) // ps * ps]))
+        device_len = len(match.device_indices)
+        need = self._pages(len(req.prompt) - device_len + req.max_new_tokens)
+        tree.inc_lock_ref(match.last_device_node)
+        if self.cache.device_alloc.available_size() + tree.evictable_size() < need:
+            tree.dec_lock_ref(match.last_device_node)
+            return False
+        prefix, last = match.device_indices, match.last_device_node
+        if match.host_hit_length > 0:
+            loaded, last = self.cache.init_load_back(match.last_host_node)
+            prefix = torch.cat([prefix, loaded])
+            tree.inc_lock_ref(last)
+            tree.dec_lock_ref(match.last_device_node)
+        req.prefix_indices, req.last_node = prefix, last
+        req.cached_device, req.cached_host = device_len, len(prefix) - device_len
+        req.own_slots = self.cache.alloc_device(
+            self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens)
+        )
+        return True
+
+    def _prefill(self, batch: list[Req]) -> ForwardBatch:
+        load_event = self.cache.controller.start_loading() if self.cache.enabled else None
+        extend = [len(r.prompt) - len(r.prefix_indices) for r in batch]
+        forward = ForwardBatch(
+            tokens=torch.tensor([t for r in batch for t in r.prompt[len(r.prefix_indices) :]]),
+            positions=torch.cat([torch.arange(len(r.prefix_indices), len(r.prompt)) for r in batch]),
+            out_slots=torch.cat([r.own_slots[:n] for r, n in zip(batch, extend, strict=True)]),
+            seq_slots=[r.seq_slots(len(r.prompt)) for r in batch],
+            extend_lens=extend,
+            load_event=load_event,
+            skip_load_wait=self.skip_load_wait,
+        )
+        for req in batch:
+            req.kv_len = len(req.prompt)
+        self._sample(batch, self.model.forward(forward, self.pool))
+        now = time.perf_counter()
+        for req in batch:
+            req.first_token_at = now
+        return forward
+
+    def _decode(self, reqs: list[Req]) -> ForwardBatch:
+        forward = ForwardBatch(
+            tokens=torch.tensor([r.output[-1] for r in reqs]),
+            positions=torch.tensor([r.kv_len for r in reqs]),
+            out_slots=torch.stack([r.seq_slots(r.kv_len + 1)[-1] for r in reqs]),
+            seq_slots=[r.seq_slots(r.kv_len + 1) for r in reqs],
+            extend_lens=[1] * len(reqs),
+        )
+        for req in reqs:
+            req.kv_len += 1
+        self._sample(reqs, self.model.forward(forward, self.pool))
+        return forward
+
+    @staticmethod
+    def _sample(reqs: list[Req], logits: torch.Tensor) -> None:
+        tokens = logits.argmax(-1).tolist()
+        for req, row, token in zip(reqs, logits.cpu(), tokens, strict=True):
+            req.logits.append(row)
+            req.output.append(token)
+
+    def _cache_finished_req(self, req: Req) -> None:
+        """Insert the finished sequence's whole pages; free duplicates and the unused tail; unlock."""
+        aligned = req.kv_len // self.page_size * self.page_size
+        slots = req.seq_slots(len(req.prefix_indices) + len(req.own_slots))
+        tokens = tuple((req.prompt + req.output)[:aligned])
+        new_prefix_len = self.cache.insert(tokens, slots[:aligned])
+        alloc = self.cache.device_alloc
+        if new_prefix_len > len(req.prefix_indices):
+            alloc.free(slots[len(req.prefix_indices) : new_prefix_len])
+        if len(slots) > aligned:
+            alloc.free(slots[aligned:])
+        self.cache.tree.dec_lock_ref(req.last_node)
+
+    def held_by_requests(self) -> int:
+        """Device slots reserved by running requests and not yet in the tree."""
+        return sum(len(r.own_slots) for r in self.running)
