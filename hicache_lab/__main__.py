@@ -94,9 +94,7 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
     parser.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host tier (L2)")
     parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
-    parser.add_argument(
-        "--check-outputs", action="store_true", help="compare every output with a from-scratch run"
-    )
+    parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
     parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
 
 
@@ -123,9 +121,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for label, hicache in (("L1 only (device pool)", False), ("L1 + L2 (HiCache, ratio 2)", True)):
         args.enable_hierarchical_cache = hicache
         print(f"\n=== {label} ===")
-        results[label] = run(
-            config_from_args(args), Path(args.out) / ("hicache" if hicache else "device_only")
-        )
+        results[label] = run(config_from_args(args), Path(args.out) / ("hicache" if hicache else "device_only"))
     print("\nmean hit rate, rounds 4-7:")
     for label, summary in results.items():
         rows = summary["rounds"]

@@ -67,12 +67,8 @@ class CacheConfig:
     load_back_threshold: int = 10
     latency: str = "virtual"
     max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
-    injected_delay_ms: float = (
-        0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
-    )
-    skip_load_wait: bool = (
-        False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
-    )
+    injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
+    skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size must be at least 1")

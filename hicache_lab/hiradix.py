@@ -72,9 +72,7 @@ class HiRadixCache:
         """Start backing `node` up to the host; it stays locked until the write ack is consumed."""
         if node.parent is not self.tree.root and not node.parent.backuped:
             return 0
-        host_indices = self._retry(
-            lambda: self.controller.write(node.value, node.id), self.evict_host, len(node.key)
-        )
+        host_indices = self._retry(lambda: self.controller.write(node.value, node.id), self.evict_host, len(node.key))
         if host_indices is None:
             return 0
         node.host_value = host_indices
@@ -196,12 +194,7 @@ class HiRadixCache:
             self.controller.host_alloc.free(node.host_value)
             self.tree.delete_leaf(node)
             parent = node.parent
-            if (
-                parent is not self.tree.root
-                and parent.evicted
-                and not parent.children
-                and parent.host_ref == 0
-            ):
+            if parent is not self.tree.root and parent.evicted and not parent.children and parent.host_ref == 0:
                 heapq.heappush(leaves, parent)
         return freed
 

@@ -37,9 +37,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class TinyModel:
-    def __init__(
-        self, cfg: ModelConfig, device: str, layers: range | None = None, tp_rank=0, tp_size=1, tp_group=None
-    ):
+    def __init__(self, cfg: ModelConfig, device: str, layers: range | None = None, tp_rank=0, tp_size=1, tp_group=None):
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = layers if layers is not None else range(cfg.num_layers)
         self.tp_size, self.tp_group = tp_size, tp_group

@@ -163,9 +163,7 @@ class RadixTree:
         counted in `prefix_len`, so the caller keeps them allocated.
         """
         ps = self.page_size
-        assert len(key) % ps == 0 and len(key) == len(value), (
-            "insert takes whole pages with one slot per token"
-        )
+        assert len(key) % ps == 0 and len(key) == len(value), "insert takes whole pages with one slot per token"
         node, prefix_len, touched = self.root, 0, []
         self._touch(node)
         while key and key[:ps] in node.children:
@@ -215,9 +213,7 @@ class RadixTree:
     def device_leaves(self) -> list[TreeNode]:
         """Unlocked nodes holding a device copy whose children hold none: device eviction candidates."""
         return [
-            n
-            for n in self.nodes()
-            if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())
+            n for n in self.nodes() if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())
         ]
 
     def host_leaves(self) -> list[TreeNode]:
@@ -245,9 +241,7 @@ class RadixTree:
             parent = node.parent
             where = f"node {node.id} key[:4]={node.key[:4]}"
             assert parent.children.get(node.key[:ps]) is node, f"{where}: not under its parent's child key"
-            assert node.key and len(node.key) % ps == 0, (
-                f"{where}: key length {len(node.key)} not page-aligned"
-            )
+            assert node.key and len(node.key) % ps == 0, f"{where}: key length {len(node.key)} not page-aligned"
             assert node.value is not None or node.host_value is not None, f"{where}: in no tier"
             for tier in (node.value, node.host_value):
                 assert tier is None or len(tier) == len(node.key), f"{where}: tier length differs from key"

@@ -62,11 +62,7 @@ def sglang_flags(cfg: RunConfig) -> str:
         flags.append(f"--attn-cp-size {p.cp}")
     if c.enable_hierarchical_cache:
         flags.append("--enable-hierarchical-cache")
-        size = (
-            f"--hicache-size {c.hicache_size_gb:g}"
-            if c.hicache_size_gb
-            else f"--hicache-ratio {c.hicache_ratio:g}"
-        )
+        size = f"--hicache-size {c.hicache_size_gb:g}" if c.hicache_size_gb else f"--hicache-ratio {c.hicache_ratio:g}"
         flags += [size, f"--hicache-write-policy {c.write_policy}", f"--hicache-mem-layout {c.host_layout}"]
     return " ".join(flags)
 

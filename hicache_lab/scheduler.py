@@ -131,11 +131,7 @@ class Scheduler:
 
     def _admit_batch(self) -> list[Req]:
         batch = []
-        while (
-            self.waiting
-            and len(self.running) + len(batch) < self.max_running
-            and self._admit(self.waiting[0])
-        ):
+        while self.waiting and len(self.running) + len(batch) < self.max_running and self._admit(self.waiting[0]):
             batch.append(self.waiting.popleft())
         return batch
 
@@ -157,9 +153,7 @@ class Scheduler:
             tree.dec_lock_ref(match.last_device_node)
         req.prefix_indices, req.last_node = prefix, last
         req.cached_device, req.cached_host = device_len, len(prefix) - device_len
-        req.own_slots = self.cache.alloc_device(
-            self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens)
-        )
+        req.own_slots = self.cache.alloc_device(self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens))
         return True
 
     def _prefill(self, batch: list[Req]) -> ForwardBatch:

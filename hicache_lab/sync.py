@@ -39,9 +39,7 @@ class CacheSync:
 
     def _attn_groups(self) -> list:
         """The attention-CP then attention-TP group, size-1 groups skipped; the TP group if both are."""
-        chosen = [
-            g for g in (self.groups.attn_cp_group, self.groups.attn_tp_group) if group_rank_and_size(g)[1] > 1
-        ]
+        chosen = [g for g in (self.groups.attn_cp_group, self.groups.attn_tp_group) if group_rank_and_size(g)[1] > 1]
         if chosen or group_rank_and_size(self.groups.tp_group)[1] == 1:
             return chosen
         return [self.groups.tp_group]

@@ -24,26 +24,17 @@ class MultiTurnWorkload:
     def __init__(self, cfg: WorkloadConfig, vocab_size: int):
         self.cfg = cfg
         rng = np.random.default_rng(cfg.seed)
-        self.openings = [
-            rng.integers(0, vocab_size, cfg.request_length).tolist() for _ in range(cfg.num_clients)
-        ]
+        self.openings = [rng.integers(0, vocab_size, cfg.request_length).tolist() for _ in range(cfg.num_clients)]
         self.questions = [
-            [
-                rng.integers(0, vocab_size, cfg.sub_question_input_length).tolist()
-                for _ in range(cfg.num_rounds)
-            ]
+            [rng.integers(0, vocab_size, cfg.sub_question_input_length).tolist() for _ in range(cfg.num_rounds)]
             for _ in range(cfg.num_clients)
         ]
         self.history: list[list[int]] = [[] for _ in range(cfg.num_clients)]
         self._next_rid = 0
 
     def request(self, client: int, round_: int) -> Req:
-        prompt = (
-            self.openings[client] if round_ == 0 else self.history[client] + self.questions[client][round_]
-        )
-        req = Req(
-            self._next_rid, client, round_, list(prompt), self.cfg.output_length, arrival=time.perf_counter()
-        )
+        prompt = self.openings[client] if round_ == 0 else self.history[client] + self.questions[client][round_]
+        req = Req(self._next_rid, client, round_, list(prompt), self.cfg.output_length, arrival=time.perf_counter())
         self._next_rid += 1
         return req
 
@@ -102,7 +93,5 @@ def run_workload(
         on_round_start()
         for client in range(cfg.num_clients):
             submit(workload.request(client, 0))
-        drive(
-            lambda req: req.round + 1 < cfg.num_rounds and submit(workload.request(req.client, req.round + 1))
-        )
+        drive(lambda req: req.round + 1 < cfg.num_rounds and submit(workload.request(req.client, req.round + 1)))
     return arrived

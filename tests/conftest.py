@@ -1,0 +1,26 @@
+"""Shared helpers: a small workload that still overflows the device pool, so eviction and load-back happen."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+
+
+def make_small_config(check_outputs: bool = True, **cache_overrides) -> RunConfig:
+    cache = {"max_total_tokens": 256, "hicache_ratio": 3.0, **cache_overrides}
+    return RunConfig(
+        model=ModelConfig(num_layers=2),
+        cache=CacheConfig(**cache),
+        workload=WorkloadConfig(
+            num_clients=4, num_rounds=4, request_length=32, sub_question_input_length=16, output_length=8
+        ),
+        parallel=ParallelConfig(collective_timeout_s=30),
+        check_outputs=check_outputs,
+    )
+
+
+@pytest.fixture
+def small_config():
+    """Factory: small_config(**cache_overrides) -> RunConfig."""
+    return make_small_config

@@ -1,0 +1,51 @@
+"""Bad configuration fails at start with a message that names what to change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hicache_lab.config import CacheConfig, ConfigError, ModelConfig, RunConfig, WorkloadConfig
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: CacheConfig(enable_hierarchical_cache=True, hicache_ratio=0.5), "--hicache-ratio"),
+        (lambda: CacheConfig(enable_hierarchical_cache=True, hicache_ratio=1.0), "ratio > 1"),
+        (lambda: CacheConfig(max_total_tokens=1000, page_size=64), "use 960"),
+        (lambda: CacheConfig(write_policy="write_around"), "--hicache-write-policy"),
+        (lambda: CacheConfig(host_layout="page_first_direct"), "--hicache-mem-layout"),
+        (lambda: CacheConfig(latency="instant"), "--latency"),
+        (lambda: ModelConfig(hidden_size=60, num_heads=4), "--num-heads"),
+        (lambda: WorkloadConfig(num_clients=0), "--num-clients"),
+        (lambda: RunConfig(cache=CacheConfig(max_total_tokens=128)), "raise it"),
+    ],
+)
+def test_bad_configuration_names_the_flag(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+def test_host_pool_in_bytes_smaller_than_device_pool_is_rejected():
+    cache = CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=0.001)
+    with pytest.raises(ConfigError, match="raise --hicache-size"):
+        cache.host_tokens(bytes_per_token=2048)
+
+
+def test_host_pool_in_bytes_gives_tokens():
+    cache = CacheConfig(enable_hierarchical_cache=True, hicache_size_gb=0.016, page_size=64)
+    assert cache.host_tokens(bytes_per_token=2048) == 7808  # 16e6 / 2048 = 7812, down to whole pages
+
+
+def test_cli_reports_bad_configuration_and_exits_2():
+    result = subprocess.run(
+        [sys.executable, "-m", "hicache_lab", "run", "--hicache-write-policy", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "configuration error" in result.stderr and "--hicache-write-policy" in result.stderr

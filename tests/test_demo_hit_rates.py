@@ -1,0 +1,34 @@
+"""The default workload reproduces the shape SGLang reported: L1 alone collapses, L1 + L2 tracks the bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_lab.config import CacheConfig, RunConfig
+from hicache_lab.launch import run
+from hicache_lab.report import mean_hit_rate
+
+
+@pytest.fixture(scope="module")
+def demo_rounds():
+    return {
+        hicache: run(RunConfig(cache=CacheConfig(enable_hierarchical_cache=hicache)), verbose=False)["rounds"]
+        for hicache in (False, True)
+    }
+
+
+def test_device_only_cache_collapses_in_later_rounds(demo_rounds):
+    assert mean_hit_rate(demo_rounds[False], 4, 7) < 0.35
+
+
+def test_hierarchical_cache_keeps_later_rounds_hitting(demo_rounds):
+    rows = demo_rounds[True]
+    assert mean_hit_rate(rows, 4, 7) > 0.70
+    assert sum(r["cached_host"] for r in rows) > 0
+
+
+def test_hit_rates_never_exceed_the_infinite_cache_bound(demo_rounds):
+    for rows in demo_rounds.values():
+        for row in rows:
+            assert row["hit_rate"] <= row["upper_bound_hit_rate"] + 1e-9
+            assert row["cached_tokens"] == row["cached_device"] + row["cached_host"]

@@ -1,0 +1,95 @@
+"""Pools, allocators and the copy engine under each latency model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache_lab.memory import DeviceKVPool, HostKVPool, PageAllocator
+from hicache_lab.transfer import CopyJob, ThreadCopyEngine, VirtualCopyEngine
+
+
+def filled_device_pool(size=32, layers=2):
+    pool = DeviceKVPool(size, layers, num_heads=2, head_dim=4, device="cpu")
+    for layer in range(layers):
+        pool.k[layer].copy_(torch.randn_like(pool.k[layer]))
+        pool.v[layer].copy_(torch.randn_like(pool.v[layer]))
+    return pool
+
+
+def copy_job(host: HostKVPool, device: DeviceKVPool, host_idx, device_idx) -> CopyJob:
+    layers = [lambda layer=layer: host.backup_from_device(device, host_idx, device_idx, layer) for layer in range(2)]
+    return CopyJob(layers, lambda: host.poison(host_idx))
+
+
+def test_allocator_hands_out_whole_pages_and_reports_exhaustion():
+    alloc = PageAllocator(16, page_size=4, name="device pool")
+    slots = alloc.alloc(5)
+    assert slots.tolist() == list(range(8))
+    assert alloc.alloc(9) is None  # 3 pages asked, 2 left
+    alloc.free(slots)
+    assert alloc.available_size() == 16
+    with pytest.raises(AssertionError, match="freed twice"):
+        alloc.free(slots[:4])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_round_trip_is_exact_in_both_layouts(layout):
+    device = filled_device_pool()
+    host = HostKVPool(64, device, layout)
+    src, dst, back = torch.tensor([3, 4, 9, 10]), torch.tensor([40, 41, 7, 8]), torch.tensor([20, 21, 22, 23])
+    for layer in range(2):
+        host.backup_from_device(device, dst, src, layer)
+        host.load_to_device(device, dst, back, layer)
+        assert torch.equal(device.k[layer][back], device.k[layer][src])
+        assert torch.equal(device.v[layer][back], device.v[layer][src])
+
+
+def test_virtual_copy_poisons_until_due_then_moves_bytes():
+    device = filled_device_pool()
+    host = HostKVPool(64, device, "layer_first")
+    engine = VirtualCopyEngine(max_delay_steps=3, seed=0, rank=0)
+    events = [engine.submit("write", copy_job(host, device, torch.tensor([i]), torch.tensor([i]))) for i in range(8)]
+    assert host.kv[:, :, :8].isnan().all()  # every destination holds poison before completion
+    dues = [e.due for e in events]
+    assert dues == sorted(dues), "a stream completes in order"
+    engine.advance(dues[3])
+    done = [e.query() for e in events]
+    assert done == [d <= dues[3] for d in dues]
+    events[-1].synchronize()  # forces completion of it and everything before it
+    assert all(e.query() for e in events)
+    assert torch.equal(host.kv[0, 0, :8], device.k[0][:8])
+
+
+def test_virtual_completion_steps_are_seeded_per_rank():
+    def dues(seed, rank):
+        engine = VirtualCopyEngine(max_delay_steps=3, seed=seed, rank=rank)
+        return [engine.submit("load", CopyJob([], lambda: None)).due for _ in range(20)]
+
+    assert dues(1, 0) == dues(1, 0)
+    assert dues(1, 0) != dues(1, 1)
+
+
+def test_thread_engine_copies_for_real_and_signals_per_layer():
+    device = filled_device_pool()
+    host = HostKVPool(64, device, "page_first")
+    engine = ThreadCopyEngine(injected_delay_ms=2.0, seed=0, rank=0)
+    try:
+        idx = torch.arange(8)
+        event = engine.submit("write", copy_job(host, device, idx, idx))
+        event.wait_layer(0)
+        event.synchronize()
+        assert event.query()
+        assert torch.equal(host.buffers(1)[1][:8], device.v[1][:8])
+    finally:
+        engine.close()
+
+
+def test_thread_engine_surfaces_a_failed_copy():
+    engine = ThreadCopyEngine(injected_delay_ms=0.0, seed=0, rank=0)
+    try:
+        event = engine.submit("load", CopyJob([lambda: 1 / 0], lambda: None))
+        with pytest.raises(RuntimeError, match="worker thread failed"):
+            event.synchronize()
+    finally:
+        engine.close()
