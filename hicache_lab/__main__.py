@@ -125,7 +125,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print("\nmean hit rate, rounds 4-7:")
     for label, summary in results.items():
         rows = summary["rounds"]
-        bound = sum(r["upper_bound_hit_rate"] for r in rows if 4 <= r["round"] <= 7) / max(1, len(rows[4:8]))
+        bound = mean_hit_rate(rows, 4, 7, key="upper_bound_hit_rate")
         print(f"  {label:<28} {mean_hit_rate(rows, 4, 7):6.1%}   (infinite cache: {bound:.1%})")
     return 0 if all(s["completed"] for s in results.values()) else 1
 

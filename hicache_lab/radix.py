@@ -201,6 +201,14 @@ class RadixTree:
             node.lock_ref -= 1
             node = node.parent
 
+    def protect_host(self, node: TreeNode) -> None:
+        """Keep `node`'s host copy from host eviction (while storage reads or writes it)."""
+        node.host_ref += 1
+
+    def release_host(self, node: TreeNode) -> None:
+        assert node.host_ref > 0, f"unbalanced release_host on node {node.id}"
+        node.host_ref -= 1
+
     # -- queries -----------------------------------------------------------------------------------
 
     def nodes(self) -> Iterator[TreeNode]:

@@ -48,8 +48,9 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def mean_hit_rate(rows: list[dict], first: int, last: int) -> float:
-    chosen = [r["hit_rate"] for r in rows if first <= r["round"] <= last]
+def mean_hit_rate(rows: list[dict], first: int, last: int, key: str = "hit_rate") -> float:
+    """Mean of `key` over rounds first..last (inclusive)."""
+    chosen = [r[key] for r in rows if first <= r["round"] <= last]
     return sum(chosen) / len(chosen) if chosen else float("nan")
 
 
