@@ -8,6 +8,7 @@ import time
 import traceback
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from .config import RunConfig
@@ -20,11 +21,12 @@ from .parallel import Groups, RankLayout, build_groups
 from .report import format_table, round_rows, sglang_flags, write_outputs
 from .scheduler import Scheduler
 from .sync import CacheSync
+from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
 from .workload import MultiTurnWorkload, run_workload
 
 
-def build_scheduler(cfg: RunConfig, groups: Groups) -> Scheduler:
+def build_scheduler(cfg: RunConfig, groups: Groups, trace: TraceWriter | None = None) -> Scheduler:
     """Pools, copy engine, cache, model and scheduler of one rank."""
     m, c, layout = cfg.model, cfg.cache, groups.layout
     device = cfg.parallel.device
@@ -41,13 +43,15 @@ def build_scheduler(cfg: RunConfig, groups: Groups) -> Scheduler:
         host_alloc = PageAllocator(host_tokens, c.page_size, "host pool")
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
     cache = HiRadixCache(c, device_alloc, CacheSync(cfg.parallel.sync, groups), controller)
-    return Scheduler(model, pool, cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
+    return Scheduler(model, pool, cache, engine, cfg.workload.max_running_requests, c.skip_load_wait, trace)
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
     """Run the whole workload on a world of one rank; returns (and writes) the summary."""
     started = time.perf_counter()
     p = cfg.parallel
+    if p.device == "cpu":
+        torch.set_num_threads(1)  # tensors are tiny and ranks share the cores: more threads only spin
     dist.init_process_group(
         "gloo",
         store=dist.HashStore(),
@@ -65,8 +69,9 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> di
         "outputs_match_reference": None,
     }
     reqs, scheduler = [], None
+    trace = TraceWriter(trace_path(Path(out_dir), 0), rank=0) if out_dir is not None else None
     try:
-        scheduler = build_scheduler(cfg, build_groups(RankLayout(p.tp, p.cp, p.pp, 0), p))
+        scheduler = build_scheduler(cfg, build_groups(RankLayout(p.tp, p.cp, p.pp, 0), p), trace)
         cache = scheduler.cache
 
         def between_rounds() -> None:  # the scheduler is idle: check the cache, free last round's sends
@@ -85,6 +90,8 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> di
     finally:
         if scheduler is not None:
             scheduler.engine.close()
+        if trace is not None:
+            trace.close()
         dist.destroy_process_group()
     summary["elapsed_s"] = time.perf_counter() - started
     if out_dir is not None:

@@ -20,6 +20,7 @@ from .hiradix import HiRadixCache
 from .memory import DeviceKVPool, PoolExhaustedError
 from .model import ForwardBatch, TinyModel
 from .radix import TreeNode
+from .trace import TraceWriter
 
 
 @dataclass(eq=False)
@@ -58,8 +59,13 @@ class StepRecord:
     requests: list[int]
     extend_tokens: int
     prefix_tokens: int
-    acks_write: int
+    acks_write: int  # write acks consumed this step (the agreed count)
     acks_load: int
+    digest: str  # the tree after the step: equal on ranks that took the same decisions
+    device_free: int
+    host_free: int
+    running: int
+    waiting: int
 
 
 class Scheduler:
@@ -71,6 +77,7 @@ class Scheduler:
         engine,
         max_running: int,
         skip_load_wait: bool = False,
+        trace: TraceWriter | None = None,
     ):
         self.model, self.pool, self.cache, self.engine = model, pool, cache, engine
         self.max_running = max_running
@@ -80,6 +87,7 @@ class Scheduler:
         self.running: list[Req] = []
         self.step_count = 0
         self.records: list[StepRecord] = []
+        self.trace = trace
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -110,17 +118,24 @@ class Scheduler:
         for req in finished:
             self._cache_finished_req(req)
         self.running = [r for r in self.running if not r.finished]
-        self.records.append(
-            StepRecord(
-                self.step_count,
-                kind,
-                (time.perf_counter() - start) * 1e3,
-                [r.rid for r in batch],
-                sum(forward.extend_lens) if forward else 0,
-                sum(len(r.prefix_indices) for r in batch) if kind == "prefill" else 0,
-                *acks,
-            )
+        cache = self.cache
+        record = StepRecord(
+            self.step_count,
+            kind,
+            (time.perf_counter() - start) * 1e3,
+            [r.rid for r in batch],
+            sum(forward.extend_lens) if forward else 0,
+            sum(len(r.prefix_indices) for r in batch) if kind == "prefill" else 0,
+            *acks,
+            digest=cache.tree.digest(),
+            device_free=cache.device_alloc.available_size(),
+            host_free=cache.controller.host_alloc.available_size() if cache.enabled else 0,
+            running=len(self.running),
+            waiting=len(self.waiting),
         )
+        self.records.append(record)
+        if self.trace is not None:
+            self.trace.write(record)
         self.step_count += 1
         if self.waiting and not self.running and not batch and not self.cache.copies_in_flight():
             raise PoolExhaustedError(

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+
+torch.set_num_threads(1)  # as launch.run does: tiny tensors, shared cores
 
 
 def make_small_config(check_outputs: bool = True, **cache_overrides) -> RunConfig:

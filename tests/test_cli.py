@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+from hicache_lab.trace import load_trace
+
 SMALL = "--num-clients 3 --num-rounds 3 --request-length 24 --sub-question-input-length 8 --output-length 4"
 
 
@@ -30,6 +32,11 @@ def test_run_writes_summary_and_requests(tmp_path):
     first, later = requests[0], next(r for r in requests if r["client"] == 0 and r["round"] == 1)
     assert len(first["output"]) == 4
     assert later["prompt"][: len(first["prompt"]) + 4] == first["prompt"] + first["output"]
+
+    trace = load_trace(tmp_path)
+    assert list(trace["step"]) == list(range(len(trace)))  # one flushed line per step
+    assert {"acks_write", "acks_load", "digest", "device_free", "host_free"} <= set(trace.columns)
+    assert trace["acks_write"].sum() > 0
 
 
 def test_help_lists_sglang_style_flags():
