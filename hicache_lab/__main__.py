@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from .config import (
     RunConfig,
     WorkloadConfig,
 )
-from .launch import run
+from .launch import run, run_under_torchrun
 from .report import mean_hit_rate
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
@@ -75,7 +76,11 @@ FLAGS = [
     ("--output-length", "workload", "output_length", int, "tokens generated per turn"),
     ("--max-running-requests", "workload", "max_running_requests", int, "admission limit of a batch"),
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
+    ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
+    ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
+    ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),
     ("--sync", "parallel", "sync", str, f"cross-rank agreement: {', '.join(SYNC_MODES)}"),
+    ("--consensus-check", "parallel", "consensus_check", int, "every K steps all ranks compare state (0: off)"),
     ("--device", "parallel", "device", str, "cpu (gloo) or cuda (NCCL, CUDA streams)"),
     ("--collective-timeout", "parallel", "collective_timeout_s", float, "seconds before a collective fails"),
 ]
@@ -110,8 +115,14 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    summary = run(config_from_args(args), Path(args.out))
-    print(f"wrote {args.out}/summary.json and requests.jsonl ({summary['elapsed_s']:.1f} s)")
+    cfg = config_from_args(args)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # started by torchrun
+        summary = run_under_torchrun(cfg, Path(args.out))
+        if summary is None:
+            return 0
+    else:
+        summary = run(cfg, Path(args.out))
+    print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
     return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
 
 

@@ -140,6 +140,7 @@ class ParallelConfig:
     sync: str = "fixed"
     device: str = "cpu"
     collective_timeout_s: float = 60.0
+    consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp"):
@@ -147,6 +148,7 @@ class ParallelConfig:
         _check_choice(self.sync, SYNC_MODES, "--sync")
         _check_choice(self.device, DEVICES, "--device")
         _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
+        _check(self.consensus_check >= 0, "--consensus-check must be >= 0 (0 turns it off)")
 
     @property
     def world_size(self) -> int:

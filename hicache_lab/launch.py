@@ -1,9 +1,20 @@
-"""Run a world of ranks. Today a world of one: the same groups, sync call sites and summary as many ranks."""
+"""Run a world of ranks: in this process (one rank), as spawned processes on 127.0.0.1, or as one rank
+under `torchrun`.
+
+Every rank writes `rank{R}.json` (its result) and `trace_rank{R}.jsonl` (its steps) into the output
+directory; `summarize` merges them into `summary.json`. A rank that raises records the error and exits at
+once; the launcher then stops the others after a short grace period, so a failed world ends in seconds
+instead of waiting for collective timeouts, and the summary names the rank that failed first.
+"""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
+import json
+import multiprocessing
+import os
+import socket
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -18,89 +29,202 @@ from .memory import DeviceKVPool, HostKVPool, PageAllocator
 from .model import TinyModel
 from .oracle import check_outputs
 from .parallel import Groups, RankLayout, build_groups
-from .report import format_table, round_rows, sglang_flags, write_outputs
+from .pipeline import StageLoop
+from .report import format_table, round_rows, summarize, write_requests
 from .scheduler import Scheduler
 from .sync import CacheSync
 from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
-from .workload import MultiTurnWorkload, run_workload
+from .workload import Feeder, MultiTurnWorkload
+
+GRACE_S = 2.0  # after the first rank fails, how long the others get to report before they are stopped
 
 
-def build_scheduler(cfg: RunConfig, groups: Groups, trace: TraceWriter | None = None) -> Scheduler:
-    """Pools, copy engine, cache, model and scheduler of one rank."""
-    m, c, layout = cfg.model, cfg.cache, groups.layout
-    device = cfg.parallel.device
-    model = TinyModel(m, device, tp_rank=layout.tp_rank, tp_size=layout.tp, tp_group=groups.tp_compute)
-    pool = DeviceKVPool(c.max_total_tokens, len(model.layers), m.num_heads // layout.tp, m.head_dim, device)
+def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
+    """Contiguous layer ranges, earlier stages taking the remainder (4 layers over 3 stages: 2, 1, 1)."""
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))
+
+
+def host_pool_tokens(cfg: RunConfig, bytes_per_token: int) -> int:
+    """Host pool size of this rank. Sized in bytes, stages with fewer layers fit more tokens: the fixed sync
+    agrees on the minimum (a symmetric collective is safe here, at start, before the scheduler loop)."""
+    tokens = cfg.cache.host_tokens(bytes_per_token)
+    if cfg.parallel.sync == "fixed" and cfg.parallel.world_size > 1:
+        agreed = torch.tensor([tokens])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        tokens = int(agreed.item())
+    return tokens
+
+
+def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
+    """Model, pools, copy engine, cache, scheduler and event loop of one rank."""
+    m, c, p, layout = cfg.model, cfg.cache, cfg.parallel, groups.layout
+    layers = stage_layers(m.num_layers, p.pp, layout.pp_rank)
+    model = TinyModel(
+        m,
+        p.device,
+        layers,
+        layout.tp_rank,
+        layout.tp,
+        groups.attn_tp_compute,
+        groups.attn_cp_compute if p.cp > 1 else None,
+    )
+    pool = DeviceKVPool(c.max_total_tokens, len(layers), m.num_heads // layout.tp, m.head_dim, p.device)
     device_alloc = PageAllocator(c.max_total_tokens, c.page_size, "device pool")
     engine = make_copy_engine(
-        c.latency, device, c.max_copy_delay_steps, c.injected_delay_ms, cfg.workload.seed, layout.rank
+        c.latency, p.device, c.max_copy_delay_steps, c.injected_delay_ms, cfg.workload.seed, layout.rank
     )
     controller = None
     if c.enable_hierarchical_cache:
-        host_tokens = c.host_tokens(pool.bytes_per_token)
+        host_tokens = host_pool_tokens(cfg, pool.bytes_per_token)
         host_pool = HostKVPool(host_tokens, pool, c.host_layout)
         host_alloc = PageAllocator(host_tokens, c.page_size, "host pool")
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
-    cache = HiRadixCache(c, device_alloc, CacheSync(cfg.parallel.sync, groups), controller)
-    return Scheduler(model, pool, cache, engine, cfg.workload.max_running_requests, c.skip_load_wait, trace)
+    cache = HiRadixCache(c, device_alloc, CacheSync(p.sync, groups), controller)
+    scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
+    feeder = Feeder(MultiTurnWorkload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
+    trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
+    return StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
 
 
-def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
-    """Run the whole workload on a world of one rank; returns (and writes) the summary."""
-    started = time.perf_counter()
+def run_rank(cfg: RunConfig, rank: int, store, out_dir: Path) -> dict:
+    """One rank, start to end: returns (and writes) its result; never raises for a failure of the run."""
     p = cfg.parallel
     if p.device == "cpu":
         torch.set_num_threads(1)  # tensors are tiny and ranks share the cores: more threads only spin
-    dist.init_process_group(
-        "gloo",
-        store=dist.HashStore(),
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=p.collective_timeout_s),
-    )
-    summary = {
-        "config": dataclasses.asdict(cfg),
-        "sglang_flags": sglang_flags(cfg),
+    else:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = datetime.timedelta(seconds=p.collective_timeout_s)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=p.world_size, timeout=timeout)
+    layout = RankLayout(p.tp, p.cp, p.pp, rank)
+    result = {
+        "rank": rank,
+        "tp_rank": layout.tp_rank,
+        "cp_rank": layout.cp_rank,
+        "pp_rank": layout.pp_rank,
         "completed": False,
         "crashed": False,
         "error": None,
         "rounds": [],
-        "outputs_match_reference": None,
     }
-    reqs, scheduler = [], None
-    trace = TraceWriter(trace_path(Path(out_dir), 0), rank=0) if out_dir is not None else None
+    loop = None
     try:
-        scheduler = build_scheduler(cfg, build_groups(RankLayout(p.tp, p.cp, p.pp, 0), p), trace)
-        cache = scheduler.cache
-
-        def between_rounds() -> None:  # the scheduler is idle: check the cache, free last round's sends
-            cache.check_integrity(scheduler.held_by_requests())
-            cache.sync.drain_async_work()
-
-        reqs = run_workload(scheduler, MultiTurnWorkload(cfg.workload, cfg.model.vocab_size), between_rounds)
-        summary["completed"] = True
-        summary["rounds"] = round_rows(reqs, scheduler.records)
-        if cfg.check_outputs:
-            copies = cache.controller.copy_check if cache.enabled else None
-            summary["oracle"] = check_outputs(cfg.model, p.device, reqs, copies)
-            summary["outputs_match_reference"] = summary["oracle"]["ok"]
+        loop = build_stage(cfg, build_groups(layout, p), out_dir)
+        loop.run()
+        result["completed"] = True
     except Exception as exc:  # a crash is a result: it goes in the summary
-        summary.update(crashed=True, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    finally:
-        if scheduler is not None:
-            scheduler.engine.close()
-        if trace is not None:
-            trace.close()
-        dist.destroy_process_group()
-    summary["elapsed_s"] = time.perf_counter() - started
-    if out_dir is not None:
-        write_outputs(Path(out_dir), summary, reqs)
+        result.update(
+            crashed=True, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(), failed_at=time.time()
+        )
+    if loop is not None:
+        loop.trace.close()
+        loop.scheduler.engine.close()
+        answered = [r for r in loop.reqs if r.finished]
+        result["rounds"] = round_rows(answered, loop.records)
+        if rank == 0:
+            write_requests(out_dir, loop.reqs)
+        if cfg.check_outputs and result["completed"]:
+            is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
+            copies = loop.scheduler.cache.controller.copy_check if loop.scheduler.cache.enabled else None
+            result["oracle"] = check_outputs(cfg.model, p.device, answered if is_reference_rank else [], copies)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
+    if result["crashed"] and p.world_size > 1:
+        os._exit(1)  # peers may be blocked on us: leave now, the launcher stops them
+    dist.destroy_process_group()
+    return result
+
+
+def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path) -> None:
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        cfg.parallel.world_size,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
+    )
+    run_rank(cfg, rank, store, out_dir)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_world(cfg: RunConfig, out_dir: Path) -> None:
+    """Start every rank as a process; once one fails, stop the rest after GRACE_S seconds."""
+    ctx = multiprocessing.get_context("spawn")
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(cfg, r, port, out_dir), daemon=True)
+        for r in range(cfg.parallel.world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    failed_at = None
+    while any(proc.is_alive() for proc in procs):
+        if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+            for proc in procs:
+                proc.kill()
+        time.sleep(0.05)
+    for proc in procs:
+        proc.join()
+
+
+def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
+    """Run the workload on the whole world; returns (and writes) the merged summary."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(out_dir) if out_dir is not None else Path(scratch)
+        out.mkdir(parents=True, exist_ok=True)
+        for stale in [*out.glob("rank*.json"), *out.glob("trace_rank*.jsonl")]:
+            stale.unlink()
+        if cfg.parallel.world_size == 1:
+            run_rank(cfg, 0, dist.HashStore(), out)
+        else:
+            spawn_world(cfg, out)
+        summary = summarize(cfg, out, time.perf_counter() - started)
     if verbose:
-        print(f"equivalent SGLang flags: {summary['sglang_flags']}")
-        print(format_table(summary["rounds"]))
-        if summary["crashed"]:
-            print(f"crashed: {summary['error']}")
-        if cfg.check_outputs:
-            print(f"outputs_match_reference: {summary['outputs_match_reference']}")
+        print_summary(summary)
     return summary
+
+
+def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
+    """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 summarizes."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.parallel.world_size:
+        raise ValueError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=rank == 0,
+        timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
+    )
+    started = time.perf_counter()
+    run_rank(cfg, rank, store, out_dir)
+    if rank != 0:
+        return None
+    deadline = time.monotonic() + cfg.parallel.collective_timeout_s
+    while len(list(out_dir.glob("rank*.json"))) < world and time.monotonic() < deadline:
+        time.sleep(0.1)
+    summary = summarize(cfg, out_dir, time.perf_counter() - started)
+    print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict) -> None:
+    print(f"equivalent SGLang flags: {summary['sglang_flags']}")
+    print(format_table(summary["rounds"]))
+    if summary["diverged"]:
+        d = summary["first_divergence"]
+        print(f"diverged at step {d['step']} on {d['quantity']}: {d['values']}")
+    if summary["crashed"]:
+        print(f"crashed (rank {summary['failing_rank']}): {summary['error']}")
+    if summary["outputs_match_reference"] is not None:
+        print(f"outputs_match_reference: {summary['outputs_match_reference']}")

@@ -5,7 +5,9 @@ by slot index, a SiLU MLP and greedy sampling. Logits are scaled (`logit_scale`)
 float noise: a request served from cache must pick the same tokens as one computed from scratch.
 
 A model instance holds a contiguous range of layers (a PP stage) and a slice of the heads (a TP shard; the
-attention output and MLP are all-reduced over the TP compute group).
+attention output and MLP are all-reduced over the TP compute group). Under CP, each peer projects K/V for
+its share of the batch's tokens and the shares are all-gathered (the rest of the layer is computed on every
+peer, which keeps the lab simple), so CP peers hold identical KV and must agree on the batch.
 """
 
 from __future__ import annotations
@@ -37,10 +39,20 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class TinyModel:
-    def __init__(self, cfg: ModelConfig, device: str, layers: range | None = None, tp_rank=0, tp_size=1, tp_group=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        device: str,
+        layers: range | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        tp_group=None,
+        cp_group=None,
+    ):
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = layers if layers is not None else range(cfg.num_layers)
-        self.tp_size, self.tp_group = tp_size, tp_group
+        self.tp_size, self.tp_group, self.cp_group = tp_size, tp_group, cp_group
+        self.cp_rank, self.cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
         g = torch.Generator().manual_seed(cfg.seed)
         d, f, v = cfg.hidden_size, cfg.mlp_size, cfg.vocab_size
 
@@ -88,6 +100,37 @@ class TinyModel:
             dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def _project_kv(self, x: torch.Tensor, w: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of every new token. Under CP each peer projects its share of the tokens and the shares are
+        gathered, so all CP peers write identical KV into their pools."""
+        h, hd, n = self.num_local_heads, self.cfg.head_dim, len(x)
+        if self.cp_size == 1:
+            return self._rope((x @ w["wk"]).view(-1, h, hd), positions), (x @ w["wv"]).view(-1, h, hd)
+        share = -(-n // self.cp_size)
+        rows = slice(self.cp_rank * share, min(n, (self.cp_rank + 1) * share))
+        mine = torch.zeros(2, share, h, hd, device=self.device)
+        kept = rows.stop - rows.start
+        if kept > 0:
+            mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), positions[rows])
+            mine[1, :kept] = (x[rows] @ w["wv"]).view(-1, h, hd)
+        gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
+        dist.all_gather(gathered, mine, group=self.cp_group)
+        kv = torch.cat(gathered, dim=1)[:, :n]
+        return kv[0], kv[1]
+
+    def check_peers_agree(self, n: int) -> None:
+        """TP and CP peers must run the same batch. If their caches diverged they do not: fail with a clear
+        error here rather than in a collective of mismatched sizes (an abort on gloo, a hang on NCCL)."""
+        for name, group, size in (("TP", self.tp_group, self.tp_size), ("CP", self.cp_group, self.cp_size)):
+            if size == 1:
+                continue
+            counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
+            dist.all_gather(counts, torch.tensor([n], device=self.device), group=group)
+            if len({int(c) for c in counts}) > 1:
+                raise RuntimeError(
+                    f"{name} peers disagree on the batch: {[int(c) for c in counts]} tokens (caches diverged)"
+                )
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens[tokens.to(self.device)]
 
@@ -99,8 +142,7 @@ class TinyModel:
         for local, w in enumerate(self.weights):
             x = _rms_norm(hidden, 1.0)
             q = self._rope((x @ w["wq"]).view(-1, h, hd), batch.positions)
-            k = self._rope((x @ w["wk"]).view(-1, h, hd), batch.positions)
-            v = (x @ w["wv"]).view(-1, h, hd)
+            k, v = self._project_kv(x, w, batch.positions)
             if batch.load_event is not None and not batch.skip_load_wait:
                 batch.load_event.wait_layer(local)
             k_pool, v_pool = pool.buffers(local)

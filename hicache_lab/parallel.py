@@ -62,8 +62,10 @@ class Groups:
     attn_tp_group: object
     attn_cp_group: object
     pp_cache_group: object
-    tp_compute: object
+    attn_tp_compute: object  # heads are split over attention-TP; their outputs all-reduced here
+    attn_cp_compute: object
     pp_compute: object
+    pp_control: object  # gloo: requests, hidden-state shapes and sampled tokens between stages
 
 
 def build_groups(layout: RankLayout, cfg: ParallelConfig) -> Groups:
@@ -72,7 +74,11 @@ def build_groups(layout: RankLayout, cfg: ParallelConfig) -> Groups:
     compute_backend = "nccl" if cfg.device == "cuda" else "gloo"
     mine: dict[str, object] = {}
     for kind, rank_lists in layout.group_rank_lists().items():
-        flavours = [("gloo", kind)] + ([(compute_backend, f"{kind}_compute")] if kind in ("tp", "pp") else [])
+        flavours = [("gloo", kind)]
+        if kind in ("attn_tp", "attn_cp", "pp"):
+            flavours.append((compute_backend, f"{kind}_compute"))
+        if kind == "pp":
+            flavours.append(("gloo", "pp_control"))
         for backend, name in flavours:
             for ranks in rank_lists:
                 group = dist.new_group(ranks, backend=backend, timeout=timeout)
@@ -84,8 +90,10 @@ def build_groups(layout: RankLayout, cfg: ParallelConfig) -> Groups:
         attn_tp_group=mine["attn_tp"],
         attn_cp_group=mine["attn_cp"],
         pp_cache_group=mine["pp"],
-        tp_compute=mine["tp_compute"],
+        attn_tp_compute=mine["attn_tp_compute"],
+        attn_cp_compute=mine["attn_cp_compute"],
         pp_compute=mine["pp_compute"],
+        pp_control=mine["pp_control"],
     )
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from .config import RunConfig
-from .scheduler import Req, StepRecord
+from .scheduler import Req
+from .trace import StepRecord, first_divergence, read_trace
 
 
 def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
@@ -68,16 +70,56 @@ def sglang_flags(cfg: RunConfig) -> str:
     return " ".join(flags)
 
 
-def write_outputs(out_dir: Path, summary: dict, reqs: list[Req]) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with open(out_dir / "requests.jsonl", "w") as f:
+def write_requests(out_dir: Path, reqs: list[Req]) -> None:
+    """Every request in arrival order, to replay the same workload elsewhere."""
+    with open(Path(out_dir) / "requests.jsonl", "w") as f:
         for r in reqs:
-            record = {
-                "rid": r.rid,
-                "round": r.round,
-                "client": r.client,
-                "prompt": r.prompt,
-                "output": r.output,
-            }
+            record = {"rid": r.rid, "round": r.round, "client": r.client, "prompt": r.prompt, "output": r.output}
             f.write(json.dumps(record) + "\n")
+
+
+def _merge_oracles(results: list[dict]) -> dict | None:
+    """The reference rank's logit check plus every rank's copy checks."""
+    checked = [r for r in results if "oracle" in r]
+    if not checked:
+        return None
+    reference = max(checked, key=lambda r: r["oracle"]["requests_checked"])
+    merged = dict(reference["oracle"], reference_rank=reference["rank"])
+    merged["copies_checked"] = sum(r["oracle"]["copies_checked"] for r in checked)
+    merged["copy_mismatches"] = [m for r in checked for m in r["oracle"]["copy_mismatches"]]
+    merged["ok"] = all(r["oracle"]["ok"] for r in checked) and merged["requests_checked"] > 0
+    return merged
+
+
+def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float) -> dict:
+    """Merge every rank's result and trace into `summary.json`."""
+    results = sorted((json.loads(p.read_text()) for p in Path(out_dir).glob("rank*.json")), key=lambda r: r["rank"])
+    reported = {r["rank"] for r in results}
+    stopped = [rank for rank in range(cfg.parallel.world_size) if rank not in reported]
+    crashed = [r for r in results if r["crashed"]]
+    first = min(crashed, key=lambda r: r["failed_at"]) if crashed else None
+    error = first["error"] if first else None
+    if stopped and not first:
+        error = f"ranks {stopped} ended without a result"
+    divergence = first_divergence(read_trace(out_dir))
+    oracle = _merge_oracles(results)
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "sglang_flags": sglang_flags(cfg),
+        "completed": not crashed and not stopped,
+        "crashed": bool(crashed or stopped),
+        "error": error,
+        "failing_rank": first["rank"] if first else (stopped[0] if stopped else None),
+        "stopped_ranks": stopped,
+        "diverged": divergence is not None,
+        "first_divergence": divergence,
+        "rounds": results[0]["rounds"] if results and results[0]["rank"] == 0 else [],
+        "per_rank_hit_rates": {str(r["rank"]): [row["hit_rate"] for row in r["rounds"]] for r in results},
+        "outputs_match_reference": oracle["ok"] if oracle else None,
+        "oracle": oracle,
+        "elapsed_s": elapsed_s,
+    }
+    if first:
+        summary["traceback"] = first["traceback"]
+    (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

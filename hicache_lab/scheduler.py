@@ -1,7 +1,9 @@
-"""One rank's event loop. A step reads, in order:
+"""One rank's scheduling: which requests run next, with which cached prefix. `schedule()` reads, in order:
 
     advance copies -> check_hicache_events (agreed ack counts) -> build a prefill batch (match_prefix,
-    init_load_back, allocate/evict) -> start_loading -> forward -> sample -> insert finished requests.
+    init_load_back, allocate/evict) -> start_loading
+
+and `process_result()` appends sampled tokens and inserts finished requests (write-through starts here).
 
 A prefill batch runs when a waiting request can be admitted (at most `max_running_requests` in flight, and
 only if its whole sequence fits in free plus evictable device slots); otherwise the running requests decode
@@ -17,10 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from .hiradix import HiRadixCache
-from .memory import DeviceKVPool, PoolExhaustedError
-from .model import ForwardBatch, TinyModel
+from .memory import PoolExhaustedError
+from .model import ForwardBatch
 from .radix import TreeNode
-from .trace import TraceWriter
 
 
 @dataclass(eq=False)
@@ -41,6 +42,7 @@ class Req:
     cached_host: int = 0
     upper_bound_cached: int = 0  # what an infinite cache would have matched
     first_token_at: float = 0.0
+    in_flight: bool = False  # in a micro-batch whose sampled tokens have not come back yet
 
     @property
     def finished(self) -> bool:
@@ -52,45 +54,32 @@ class Req:
 
 
 @dataclass
-class StepRecord:
-    step: int
+class Batch:
+    """One micro-batch: what every stage of the pipeline runs for one iteration."""
+
     kind: str  # "prefill", "decode" or "idle"
-    ms: float
-    requests: list[int]
-    extend_tokens: int
-    prefix_tokens: int
-    acks_write: int  # write acks consumed this step (the agreed count)
-    acks_load: int
-    digest: str  # the tree after the step: equal on ranks that took the same decisions
-    device_free: int
-    host_free: int
-    running: int
-    waiting: int
+    reqs: list[Req]
+    forward: ForwardBatch | None
+    acks: tuple[int, int]  # (write, load) acks consumed before building it
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.forward.extend_lens) if self.forward else 0
 
 
 class Scheduler:
-    def __init__(
-        self,
-        model: TinyModel,
-        pool: DeviceKVPool,
-        cache: HiRadixCache,
-        engine,
-        max_running: int,
-        skip_load_wait: bool = False,
-        trace: TraceWriter | None = None,
-    ):
-        self.model, self.pool, self.cache, self.engine = model, pool, cache, engine
+    """One rank's cache and batch logic; `pipeline.StageLoop` runs the model and moves data between stages."""
+
+    def __init__(self, cache: HiRadixCache, engine, max_running: int, skip_load_wait: bool = False):
+        self.cache, self.engine = cache, engine
         self.max_running = max_running
         self.skip_load_wait = skip_load_wait
         self.page_size = cache.cfg.page_size
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
-        self.step_count = 0
-        self.records: list[StepRecord] = []
-        self.trace = trace
+        self.running: list[Req] = []  # admitted and not finished; `in_flight` ones are in a micro-batch
 
-    def add(self, req: Req) -> None:
-        self.waiting.append(req)
+    def add(self, reqs: list[Req]) -> None:
+        self.waiting.extend(reqs)
 
     def idle(self) -> bool:
         return not self.waiting and not self.running
@@ -98,50 +87,43 @@ class Scheduler:
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size
 
-    # -- one step ----------------------------------------------------------------------------------
-
-    def step(self) -> list[Req]:
-        """Run one scheduler step; returns the requests that finished in it."""
-        start = time.perf_counter()
-        self.engine.advance(self.step_count)
+    def schedule(self, iteration: int) -> Batch:
+        """Advance copies, consume agreed acks, then build a prefill batch if one fits, else a decode batch."""
+        self.engine.advance(iteration)
         acks = self.cache.check_hicache_events()
         batch = self._admit_batch()
         if batch:
-            kind, forward = "prefill", self._prefill(batch)
             self.running.extend(batch)
-        elif self.running:
-            kind, forward = "decode", self._decode(self.running)
-            batch = self.running
+            result = Batch("prefill", batch, self._prefill(batch), acks)
+        elif ready := [r for r in self.running if not r.in_flight]:
+            result = Batch("decode", ready, self._decode(ready), acks)
         else:
-            kind, forward = "idle", None
-        finished = [r for r in self.running if r.finished]
+            result = Batch("idle", [], None, acks)
+            if self.waiting and not self.running and not self.cache.copies_in_flight():
+                raise PoolExhaustedError(
+                    f"request {self.waiting[0].rid} ({len(self.waiting[0].prompt)} prompt tokens) can never fit "
+                    "the device pool: raise --max-total-tokens"
+                )
+        for req in result.reqs:
+            req.in_flight = True
+        return result
+
+    def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
+        """Append each request's sampled token; finished requests go into the tree. Returns them."""
+        if len(tokens) != len(batch.reqs):
+            raise RuntimeError(f"a result of {len(tokens)} tokens for a micro-batch of {len(batch.reqs)} requests")
+        now = time.perf_counter()
+        for i, (req, token) in enumerate(zip(batch.reqs, tokens, strict=True)):
+            req.output.append(token)
+            req.in_flight = False
+            if logits is not None:
+                req.logits.append(logits[i])
+            if batch.kind == "prefill":
+                req.first_token_at = now
+        finished = [r for r in batch.reqs if r.finished]
         for req in finished:
             self._cache_finished_req(req)
         self.running = [r for r in self.running if not r.finished]
-        cache = self.cache
-        record = StepRecord(
-            self.step_count,
-            kind,
-            (time.perf_counter() - start) * 1e3,
-            [r.rid for r in batch],
-            sum(forward.extend_lens) if forward else 0,
-            sum(len(r.prefix_indices) for r in batch) if kind == "prefill" else 0,
-            *acks,
-            digest=cache.tree.digest(),
-            device_free=cache.device_alloc.available_size(),
-            host_free=cache.controller.host_alloc.available_size() if cache.enabled else 0,
-            running=len(self.running),
-            waiting=len(self.waiting),
-        )
-        self.records.append(record)
-        if self.trace is not None:
-            self.trace.write(record)
-        self.step_count += 1
-        if self.waiting and not self.running and not batch and not self.cache.copies_in_flight():
-            raise PoolExhaustedError(
-                f"request {self.waiting[0].rid} ({len(self.waiting[0].prompt)} prompt tokens) can never fit "
-                "the device pool: raise --max-total-tokens"
-            )
         return finished
 
     def _admit_batch(self) -> list[Req]:
@@ -185,10 +167,6 @@ class Scheduler:
         )
         for req in batch:
             req.kv_len = len(req.prompt)
-        self._sample(batch, self.model.forward(forward, self.pool))
-        now = time.perf_counter()
-        for req in batch:
-            req.first_token_at = now
         return forward
 
     def _decode(self, reqs: list[Req]) -> ForwardBatch:
@@ -201,15 +179,7 @@ class Scheduler:
         )
         for req in reqs:
             req.kv_len += 1
-        self._sample(reqs, self.model.forward(forward, self.pool))
         return forward
-
-    @staticmethod
-    def _sample(reqs: list[Req], logits: torch.Tensor) -> None:
-        tokens = logits.argmax(-1).tolist()
-        for req, row, token in zip(reqs, logits.cpu(), tokens, strict=True):
-            req.logits.append(row)
-            req.output.append(token)
 
     def _cache_finished_req(self, req: Req) -> None:
         """Insert the finished sequence's whole pages; free duplicates and the unused tail; unlock."""

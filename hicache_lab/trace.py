@@ -1,11 +1,36 @@
-"""Per-rank, per-step trace: one JSON line per step, flushed as it is written, so a run that crashes or hangs
-keeps its history up to the last step. `load_trace` reads every rank's trace into one pandas table."""
+"""Per-rank, per-step trace and divergence detection.
+
+Each rank writes one JSON line per step, flushed as it is written, so a run that crashes or hangs keeps its
+history up to the last step. Steps are numbered by iteration, the same on every rank, so ranks can be
+compared step by step: `first_divergence` finds the first step at which two ranks consumed different ack
+counts, ran different batches, or hold different trees. `load_trace` gives every rank's steps as one pandas
+table for notebooks.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
+
+# In causal order: acks decide locks, locks decide batches, batches decide the tree.
+DIVERGENCE_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "prefix_tokens", "digest")
+
+
+@dataclass
+class StepRecord:
+    step: int
+    kind: str  # "prefill", "decode" or "idle"
+    ms: float
+    requests: list[int]
+    extend_tokens: int
+    prefix_tokens: int
+    acks_write: int  # write acks consumed this step (the agreed count)
+    acks_load: int
+    digest: str  # the tree after the step: equal on ranks that took the same decisions
+    device_free: int
+    host_free: int
 
 
 class TraceWriter:
@@ -14,7 +39,7 @@ class TraceWriter:
         self.rank = rank
         self.file = path.open("w")  # noqa: SIM115 - held open for the whole run, closed by close()
 
-    def write(self, record) -> None:
+    def write(self, record: StepRecord) -> None:
         self.file.write(json.dumps({"rank": self.rank, **dataclasses.asdict(record)}) + "\n")
         self.file.flush()
 
@@ -26,10 +51,27 @@ def trace_path(out_dir: Path, rank: int) -> Path:
     return Path(out_dir) / f"trace_rank{rank}.jsonl"
 
 
+def read_trace(out_dir: Path) -> list[dict]:
+    paths = sorted(Path(out_dir).glob("trace_rank*.jsonl"))
+    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+
+
 def load_trace(out_dir: Path):
     """Every rank's steps as one DataFrame (columns: rank, step, kind, acks_write, acks_load, digest, ...)."""
     import pandas as pd
 
-    paths = sorted(Path(out_dir).glob("trace_rank*.jsonl"))
-    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(read_trace(out_dir))
+
+
+def first_divergence(rows: list[dict]) -> dict | None:
+    """The first step and quantity at which ranks differ: {step, quantity, values: {rank: value}}."""
+    by_step: dict[int, list[dict]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    for step in sorted(by_step):
+        ranks = sorted(by_step[step], key=lambda r: r["rank"])
+        for quantity in DIVERGENCE_QUANTITIES:
+            values = {str(r["rank"]): r[quantity] for r in ranks}
+            if len(set(values.values())) > 1:
+                return {"step": step, "quantity": quantity, "values": values}
+    return None

@@ -5,19 +5,19 @@ earlier prompt and answer) plus a fresh sub-question of `sub_question_input_leng
 answers with `output_length` tokens. With the round barrier (the default, as `--enable-round-barrier`), round
 r+1 starts only when every client's round-r answer is done, which makes per-round hit rates comparable.
 
-`InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
+`InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched. `Feeder` is the
+one place requests come from (pipeline stage 0 hands them down to the other stages).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from .config import WorkloadConfig
 from .radix import page_hashes
-from .scheduler import Req, Scheduler
+from .scheduler import Req
 
 
 class MultiTurnWorkload:
@@ -63,35 +63,44 @@ class InfiniteCache:
         self.seen.update(page_hashes(tuple((req.prompt + req.output)[:aligned]), self.page_size))
 
 
-def run_workload(
-    scheduler: Scheduler, workload: MultiTurnWorkload, on_round_start: Callable[[], None] = lambda: None
-) -> list[Req]:
-    """Feed every client's rounds to `scheduler` until all are answered; returns requests in arrival order."""
-    cfg = workload.cfg
-    bound = InfiniteCache(scheduler.page_size)
-    arrived: list[Req] = []
+class Feeder:
+    """Stage 0's source of requests: hands out arrivals, learns of answers, knows when the workload is done.
 
-    def submit(req: Req) -> None:
-        req.upper_bound_cached = bound.match(req)
-        arrived.append(req)
-        scheduler.add(req)
+    With the round barrier, round r+1 arrives once every round-r request is answered; without it, a client's
+    next turn arrives as soon as its previous one is answered.
+    """
 
-    def drive(until_idle_then: Callable[[Req], None]) -> None:
-        while not scheduler.idle():
-            for req in scheduler.step():
-                workload.answered(req)
-                bound.add(req)
-                until_idle_then(req)
+    def __init__(self, workload: MultiTurnWorkload, page_size: int):
+        self.workload, self.cfg = workload, workload.cfg
+        self.bound = InfiniteCache(page_size)
+        self.arrived: list[Req] = []
+        self.queued = [workload.request(c, 0) for c in range(self.cfg.num_clients)]
+        self.next_round = 1
+        self.outstanding = 0
 
-    if cfg.round_barrier:
-        for round_ in range(cfg.num_rounds):
-            on_round_start()
-            for client in range(cfg.num_clients):
-                submit(workload.request(client, round_))
-            drive(lambda req: None)
-    else:
-        on_round_start()
-        for client in range(cfg.num_clients):
-            submit(workload.request(client, 0))
-        drive(lambda req: req.round + 1 < cfg.num_rounds and submit(workload.request(req.client, req.round + 1)))
-    return arrived
+    def arrivals(self) -> tuple[list[Req], bool]:
+        """Requests arriving now, and whether they open a new round (the pipeline is then empty)."""
+        new_round = bool(self.queued) and self.outstanding == 0 and (self.cfg.round_barrier or not self.arrived)
+        if not self.cfg.round_barrier or new_round:
+            arriving, self.queued = self.queued, []
+        else:
+            arriving = []
+        for req in arriving:
+            req.upper_bound_cached = self.bound.match(req)
+        self.arrived += arriving
+        self.outstanding += len(arriving)
+        return arriving, new_round
+
+    def answered(self, reqs: list[Req]) -> None:
+        for req in reqs:
+            self.workload.answered(req)
+            self.bound.add(req)
+            self.outstanding -= 1
+            if not self.cfg.round_barrier and req.round + 1 < self.cfg.num_rounds:
+                self.queued.append(self.workload.request(req.client, req.round + 1))
+        if self.cfg.round_barrier and self.outstanding == 0 and self.next_round < self.cfg.num_rounds:
+            self.queued = [self.workload.request(c, self.next_round) for c in range(self.cfg.num_clients)]
+            self.next_round += 1
+
+    def done(self) -> bool:
+        return self.outstanding == 0 and not self.queued

@@ -1,0 +1,228 @@
+"""The per-stage event loop, shaped like SGLang's PP event loop. Every rank runs it; with one stage it is a
+plain serving loop.
+
+Iteration i of stage s:
+
+1. once `pp` micro-batches are in flight, take back the oldest one's sampled tokens (stages < last receive
+   them from the last stage) and let the scheduler append them and insert finished requests;
+2. requests: stage 0 takes new arrivals from the `Feeder`; every stage hands them to the next one;
+3. `scheduler.schedule(i)`: agreed ack counts, then this stage's *own* batch from its *own* tree;
+4. forward: stage 0 embeds tokens; later stages receive hidden states (shape first, then data) and view them
+   with their own token count — if the stages' caches diverged, this is where SGLang crashed with
+   `shape '[N, -1, D]' is invalid for input of size M`; the last stage samples and sends the tokens back to
+   every earlier stage.
+
+Every send is asynchronous and its handle kept until the next round starts, so no stage ever waits for a
+later one: stages run up to `pp` micro-batches apart, not in lockstep — which is why their polls of copy
+events see different things.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from .memory import DeviceKVPool
+from .model import TinyModel
+from .parallel import Groups, group_rank_and_size
+from .scheduler import Batch, Req, Scheduler
+from .trace import StepRecord, TraceWriter
+from .workload import Feeder
+
+HEADER = 3  # new_round, stop, number of requests
+
+
+def encode_requests(reqs: list[Req], new_round: bool, stop: bool) -> torch.Tensor:
+    flat = [int(new_round), int(stop), len(reqs)]
+    for r in reqs:
+        flat += [r.rid, r.client, r.round, r.max_new_tokens, r.upper_bound_cached, len(r.prompt), *r.prompt]
+    return torch.tensor(flat, dtype=torch.int64)
+
+
+def decode_requests(data: torch.Tensor) -> tuple[list[Req], bool, bool]:
+    flat = data.tolist()
+    reqs, pos = [], HEADER
+    for _ in range(flat[2]):
+        rid, client, round_, max_new, bound, length = flat[pos : pos + 6]
+        reqs.append(Req(rid, client, round_, flat[pos + 6 : pos + 6 + length], max_new, time.perf_counter()))
+        reqs[-1].upper_bound_cached = bound
+        pos += 6 + length
+    return reqs, bool(flat[0]), bool(flat[1])
+
+
+class StageLoop:
+    def __init__(
+        self,
+        groups: Groups,
+        scheduler: Scheduler,
+        model: TinyModel,
+        pool: DeviceKVPool,
+        feeder: Feeder | None,
+        trace: TraceWriter | None = None,
+        consensus_every: int = 0,
+    ):
+        self.groups, self.scheduler, self.model, self.pool = groups, scheduler, model, pool
+        self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
+        self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
+        self.last = self.pp_size - 1
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.records: list[StepRecord] = []
+        self.reqs: list[Req] = []  # every request this stage saw, in arrival order
+
+    # -- point to point ----------------------------------------------------------------------------
+
+    def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
+        self.sends.append((dist.isend(tensor, group_dst=dst, group=group), tensor))
+
+    def _send_sized(self, tensor: torch.Tensor, dst: int) -> None:
+        self._isend(torch.tensor([tensor.numel()], dtype=torch.int64), dst, self.groups.pp_control)
+        if tensor.numel():
+            self._isend(tensor, dst, self.groups.pp_control)
+
+    def _recv_sized(self, src: int) -> torch.Tensor:
+        size = torch.zeros(1, dtype=torch.int64)
+        dist.recv(size, group_src=src, group=self.groups.pp_control)
+        data = torch.zeros(int(size.item()), dtype=torch.int64)
+        if data.numel():
+            dist.recv(data, group_src=src, group=self.groups.pp_control)
+        return data
+
+    def drain_sends(self) -> None:
+        """Wait for every outstanding send (at the start of a round: bounded, unlike polling)."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends = []
+
+    # -- the loop ----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        in_flight: deque[Batch] = deque()
+        iteration = 0
+        while True:
+            if len(in_flight) == self.pp_size:
+                self._finish(in_flight.popleft())
+            reqs, new_round, stop = self._exchange_requests()
+            if stop:
+                break
+            if new_round:
+                self.drain_sends()
+                self.scheduler.cache.sync.drain_async_work()
+                self.scheduler.cache.check_integrity(self.scheduler.held_by_requests())
+            self.reqs += reqs
+            self.scheduler.add(reqs)
+            start = time.perf_counter()
+            batch = self.scheduler.schedule(iteration)
+            self._forward(batch)
+            in_flight.append(batch)
+            self._record(iteration, batch, start)
+            iteration += 1
+        while in_flight:
+            self._finish(in_flight.popleft())
+        self.drain_sends()
+        self.scheduler.cache.sync.drain_async_work()
+
+    def _exchange_requests(self) -> tuple[list[Req], bool, bool]:
+        if self.pp_rank == 0:
+            stop = self.feeder.done()
+            reqs, new_round = ([], False) if stop else self.feeder.arrivals()
+            message = encode_requests(reqs, new_round, stop)
+        else:
+            message = self._recv_sized(self.pp_rank - 1)
+            reqs, new_round, stop = decode_requests(message)
+        if self.pp_rank < self.last:
+            self._send_sized(message, self.pp_rank + 1)
+        return reqs, new_round, stop
+
+    def _forward(self, batch: Batch) -> None:
+        n, hidden_size = batch.num_tokens, self.model.cfg.hidden_size
+        if self.pp_rank == 0:
+            hidden = self.model.embed(batch.forward.tokens) if n else torch.zeros(0, hidden_size)
+        else:
+            hidden = self._recv_hidden()
+            # Like SGLang, a later stage reads the hidden states with its *own* token count.
+            if n or hidden.numel():
+                hidden = hidden.view(n, -1, self.model.cfg.head_dim).view(n, -1)
+        self.model.check_peers_agree(n)
+        if n:
+            hidden = self.model.forward_layers(hidden, batch.forward, self.pool)
+        if self.pp_rank < self.last:
+            self._send_hidden(hidden)
+            return
+        logits = None
+        if n:
+            last_rows = torch.tensor(batch.forward.extend_lens).cumsum(0) - 1
+            logits = self.model.logits(hidden[last_rows.to(hidden.device)]).cpu()
+        batch.logits = logits
+        batch.tokens = logits.argmax(-1).tolist() if logits is not None else []
+        for stage in range(self.last):
+            self._send_sized(torch.tensor(batch.tokens, dtype=torch.int64), stage)
+
+    def _send_hidden(self, hidden: torch.Tensor) -> None:
+        self._isend(torch.tensor(hidden.shape, dtype=torch.int64), self.pp_rank + 1, self.groups.pp_control)
+        if hidden.numel():
+            self._isend(hidden.contiguous(), self.pp_rank + 1, self.groups.pp_compute)
+
+    def _recv_hidden(self) -> torch.Tensor:
+        shape = torch.zeros(2, dtype=torch.int64)
+        dist.recv(shape, group_src=self.pp_rank - 1, group=self.groups.pp_control)
+        hidden = torch.zeros(*shape.tolist(), device=self.model.device)
+        if hidden.numel():
+            dist.recv(hidden, group_src=self.pp_rank - 1, group=self.groups.pp_compute)
+        return hidden
+
+    def _finish(self, batch: Batch) -> None:
+        if self.pp_rank == self.last:
+            tokens, logits = batch.tokens, batch.logits
+        else:
+            tokens, logits = self._recv_sized(self.last).tolist(), None
+        finished = self.scheduler.process_result(batch, tokens, logits)
+        if self.feeder is not None:
+            self.feeder.answered(finished)
+
+    # -- observation -------------------------------------------------------------------------------
+
+    def _record(self, iteration: int, batch: Batch, start: float) -> None:
+        cache = self.scheduler.cache
+        record = StepRecord(
+            step=iteration,
+            kind=batch.kind,
+            ms=(time.perf_counter() - start) * 1e3,
+            requests=[r.rid for r in batch.reqs],
+            extend_tokens=batch.num_tokens,
+            prefix_tokens=sum(len(r.prefix_indices) for r in batch.reqs) if batch.kind == "prefill" else 0,
+            acks_write=batch.acks[0],
+            acks_load=batch.acks[1],
+            digest=cache.tree.digest(),
+            device_free=cache.device_alloc.available_size(),
+            host_free=cache.controller.host_alloc.available_size() if cache.enabled else 0,
+        )
+        self.records.append(record)
+        if self.trace is not None:
+            self.trace.write(record)
+        if self.consensus_every and iteration % self.consensus_every == 0:
+            check_consensus(record)
+
+
+class ConsensusError(RuntimeError):
+    """Ranks hold different values of a quantity that must be identical on all of them."""
+
+
+CONSENSUS_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "digest")
+
+
+def check_consensus(record: StepRecord) -> None:
+    """All-reduce MIN of [x, -x] over the world: [min, -max] equals [x, -x] on every rank iff all agree.
+
+    Safe between iterations: no rank needs anything from a later iteration of another stage to get here.
+    """
+    values = [getattr(record, q) for q in CONSENSUS_QUANTITIES[:-1]] + [int(record.digest[:15], 16)]
+    data = torch.tensor(values + [-v for v in values], dtype=torch.int64)
+    dist.all_reduce(data, op=dist.ReduceOp.MIN)
+    k = len(values)
+    for i, quantity in enumerate(CONSENSUS_QUANTITIES):
+        low, high = int(data[i]), -int(data[k + i])
+        if low != high:
+            raise ConsensusError(f"ranks disagree on {quantity} at step {record.step}: min {low}, max {high}")
