@@ -10,6 +10,7 @@ from pathlib import Path
 from .config import (
     HOST_LAYOUTS,
     LATENCY_MODELS,
+    SYNC_FIXES,
     SYNC_MODES,
     WRITE_POLICIES,
     CacheConfig,
@@ -101,6 +102,14 @@ def add_run_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
     parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
     parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
+    for verb in ("enable", "disable"):
+        parser.add_argument(
+            f"--{verb}-fix",
+            action="append",
+            default=[],
+            choices=SYNC_FIXES,
+            help=f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md",
+        )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -110,6 +119,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     values["cache"]["enable_hierarchical_cache"] = args.enable_hierarchical_cache
     values["cache"]["skip_load_wait"] = args.skip_load_wait
     values["workload"]["round_barrier"] = not args.no_round_barrier
+    values["parallel"]["enable_fixes"] = tuple(args.enable_fix)
+    values["parallel"]["disable_fixes"] = tuple(args.disable_fix)
     sections = {name: SECTIONS[name](**v) for name, v in values.items()}
     return RunConfig(**sections, check_outputs=args.check_outputs)
 

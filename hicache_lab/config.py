@@ -12,6 +12,8 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 SYNC_MODES = ("off", "legacy", "fixed")
+# The fixes `fixed` applies and `legacy` lacks; each can be switched alone (sync.py says what each does).
+SYNC_FIXES = ("pp_relay", "cp_groups", "agree_loads", "host_capacity_min", "bounded_drain")
 DEVICES = ("cpu", "cuda")
 
 
@@ -141,6 +143,8 @@ class ParallelConfig:
     device: str = "cpu"
     collective_timeout_s: float = 60.0
     consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
+    enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
+    disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp"):
@@ -149,6 +153,14 @@ class ParallelConfig:
         _check_choice(self.device, DEVICES, "--device")
         _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
         _check(self.consensus_check >= 0, "--consensus-check must be >= 0 (0 turns it off)")
+        for name in (*self.enable_fixes, *self.disable_fixes):
+            _check_choice(name, SYNC_FIXES, "fix")
+        _check(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
+
+    @property
+    def fixes(self) -> frozenset[str]:
+        implied = set(SYNC_FIXES) if self.sync == "fixed" else set()
+        return frozenset((implied | set(self.enable_fixes)) - set(self.disable_fixes))
 
     @property
     def world_size(self) -> int:

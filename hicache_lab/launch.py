@@ -51,7 +51,7 @@ def host_pool_tokens(cfg: RunConfig, bytes_per_token: int) -> int:
     """Host pool size of this rank. Sized in bytes, stages with fewer layers fit more tokens: the fixed sync
     agrees on the minimum (a symmetric collective is safe here, at start, before the scheduler loop)."""
     tokens = cfg.cache.host_tokens(bytes_per_token)
-    if cfg.parallel.sync == "fixed" and cfg.parallel.world_size > 1:
+    if "host_capacity_min" in cfg.parallel.fixes and cfg.parallel.world_size > 1:
         agreed = torch.tensor([tokens])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
         tokens = int(agreed.item())
@@ -82,7 +82,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         host_pool = HostKVPool(host_tokens, pool, c.host_layout)
         host_alloc = PageAllocator(host_tokens, c.page_size, "host pool")
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
-    cache = HiRadixCache(c, device_alloc, CacheSync(p.sync, groups), controller)
+    cache = HiRadixCache(c, device_alloc, CacheSync(p.sync, groups, p.fixes), controller)
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
     feeder = Feeder(MultiTurnWorkload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)

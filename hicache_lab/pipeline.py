@@ -68,14 +68,15 @@ class StageLoop:
         self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
-        self.sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (iteration, handle, the tensor it reads)
+        self.iteration = 0
         self.records: list[StepRecord] = []
         self.reqs: list[Req] = []  # every request this stage saw, in arrival order
 
     # -- point to point ----------------------------------------------------------------------------
 
     def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
-        self.sends.append((dist.isend(tensor, group_dst=dst, group=group), tensor))
+        self.sends.append((self.iteration, dist.isend(tensor, group_dst=dst, group=group), tensor))
 
     def _send_sized(self, tensor: torch.Tensor, dst: int) -> None:
         self._isend(torch.tensor([tensor.numel()], dtype=torch.int64), dst, self.groups.pp_control)
@@ -90,25 +91,34 @@ class StageLoop:
             dist.recv(data, group_src=src, group=self.groups.pp_control)
         return data
 
-    def drain_sends(self) -> None:
-        """Wait for every outstanding send (at the start of a round: bounded, unlike polling)."""
-        for work, _ in self.sends:
-            work.wait()
-        self.sends = []
+    def drain_sends(self, before: int | None = None) -> None:
+        """Wait for the sends of iterations before `before` (all if None), so the list stays bounded.
+
+        At iteration i only sends of iterations <= i - pp are waited for: stage 0 takes back the sampled
+        tokens of iteration j only at iteration j + pp, so waiting for newer ones would make the last stage
+        wait on stage 0 — a cycle as soon as anything else (a consensus check) makes stage 0 wait on it.
+        """
+        keep = []
+        for iteration, work, tensor in self.sends:
+            if before is None or iteration < before:
+                work.wait()
+            else:
+                keep.append((iteration, work, tensor))
+        self.sends = keep
 
     # -- the loop ----------------------------------------------------------------------------------
 
     def run(self) -> None:
         in_flight: deque[Batch] = deque()
-        iteration = 0
         while True:
+            iteration = self.iteration
             if len(in_flight) == self.pp_size:
                 self._finish(in_flight.popleft())
             reqs, new_round, stop = self._exchange_requests()
             if stop:
                 break
             if new_round:
-                self.drain_sends()
+                self.drain_sends(before=iteration - self.pp_size + 1)
                 self.scheduler.cache.sync.drain_async_work()
                 self.scheduler.cache.check_integrity(self.scheduler.held_by_requests())
             self.reqs += reqs
@@ -118,7 +128,7 @@ class StageLoop:
             self._forward(batch)
             in_flight.append(batch)
             self._record(iteration, batch, start)
-            iteration += 1
+            self.iteration += 1
         while in_flight:
             self._finish(in_flight.popleft())
         self.drain_sends()

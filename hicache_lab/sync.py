@@ -6,9 +6,18 @@ changes, so that every rank takes identical cache decisions. The modes:
 * `off`    - no agreement: each rank trusts its own polls.
 * `legacy` - SGLang before both fixes: write acks agreed (MIN) over the attention-TP group only; load acks
              not agreed; no relay down the pipeline.
-* `fixed`  - both fixes: only PP rank 0 polls; it agrees with its attention-CP and attention-TP peers; the
-             count is relayed down the pipeline (`_pp_sync`); every rank consumes exactly that many acks,
-             waiting on its own copies where they are not done yet.
+* `fixed`  - every fix below: only PP rank 0 polls; it agrees with its attention-CP and attention-TP peers;
+             the count is relayed down the pipeline (`_pp_sync`); every rank consumes exactly that many
+             acks, waiting on its own copies where they are not done yet.
+
+The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so each bug can be shown alone:
+
+* `pp_relay`          - only PP rank 0 polls and agrees; later stages receive its count (PP fix).
+* `cp_groups`         - agree over the attention-CP group too, not only attention-TP (CP fix).
+* `agree_loads`       - load acks are agreed like write acks.
+* `host_capacity_min` - stages sized in bytes agree on the smallest host pool (launch.host_pool_tokens).
+* `bounded_drain`     - relay sends are waited for once a round, instead of reaped by polling (which grew
+                        without bound behind a lagging stage).
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
 return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
@@ -26,9 +35,8 @@ MIN = dist.ReduceOp.MIN
 
 
 class CacheSync:
-    def __init__(self, mode: str, groups: Groups):
-        self.mode = mode
-        self.groups = groups
+    def __init__(self, mode: str, groups: Groups, fixes: frozenset[str]):
+        self.mode, self.groups, self.fixes = mode, groups, fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
 
@@ -38,11 +46,13 @@ class CacheSync:
     # -- primitives (SGLang's names) ---------------------------------------------------------------
 
     def _attn_groups(self) -> list:
-        """The attention-CP then attention-TP group, size-1 groups skipped; the TP group if both are."""
-        chosen = [g for g in (self.groups.attn_cp_group, self.groups.attn_tp_group) if group_rank_and_size(g)[1] > 1]
-        if chosen or group_rank_and_size(self.groups.tp_group)[1] == 1:
-            return chosen
-        return [self.groups.tp_group]
+        """The attention-CP then attention-TP group, size-1 groups skipped. Without the CP fix, attention-TP
+        alone: the legacy cache group, which excludes CP peers. (SGLang falls back to its TP group when
+        neither group exists; here both always do.)"""
+        candidates = (self.groups.attn_cp_group, self.groups.attn_tp_group)
+        if "cp_groups" not in self.fixes:
+            candidates = (self.groups.attn_tp_group,)
+        return [g for g in candidates if group_rank_and_size(g)[1] > 1]
 
     def _all_reduce_attn_groups(self, data: torch.Tensor, op) -> None:
         for group in self._attn_groups():
@@ -69,25 +79,34 @@ class CacheSync:
         self._pp_sync(data)
 
     def drain_async_work(self) -> None:
-        """Wait for the previous round's relay sends (bounded memory, unlike polling behind a lagging stage)."""
+        """Start of a round: wait for the previous round's relay sends (bounded memory), or without that fix
+        reap the completed ones by polling, as the seed did."""
+        if "bounded_drain" not in self.fixes:
+            self._reap_completed_async_work()
+            return
         for work in self.work_list:
             work.wait()
         self.work_list = []
 
+    def _reap_completed_async_work(self) -> None:
+        done = 0
+        while done < len(self.work_list) and self.work_list[done].is_completed():
+            done += 1
+        self.work_list = self.work_list[done:]
+
     # -- agreement points --------------------------------------------------------------------------
 
     def polls_locally(self) -> bool:
-        """Whether this rank's own event polls feed the agreement (fixed: PP rank 0 only)."""
-        return self.mode != "fixed" or self.pp_rank == 0
+        """Whether this rank's own event polls feed the agreement (with the PP fix: PP rank 0 only)."""
+        return "pp_relay" not in self.fixes or self.pp_rank == 0
 
     def agree_ack_count(self, local: int, queue: str) -> int:
         """How many leading acks of `queue` ('write' or 'load') every rank consumes this step."""
-        if self.mode == "off" or (self.mode == "legacy" and queue == "load"):
+        if self.mode == "off" or (queue == "load" and "agree_loads" not in self.fixes):
             return local
         count = torch.tensor([local], dtype=torch.int64)
-        if self.mode == "legacy":
-            if group_rank_and_size(self.groups.attn_tp_group)[1] > 1:
-                dist.all_reduce(count, op=MIN, group=self.groups.attn_tp_group)
-        else:
+        if "pp_relay" in self.fixes:
             self._all_reduce(count, MIN)
+        else:
+            self._all_reduce_attn_groups(count, MIN)
         return int(count.item())

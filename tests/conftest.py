@@ -27,3 +27,17 @@ def make_small_config(check_outputs: bool = True, **cache_overrides) -> RunConfi
 def small_config():
     """Factory: small_config(**cache_overrides) -> RunConfig."""
     return make_small_config
+
+
+def make_world_config(tp=1, cp=1, pp=1, sync="fixed", **parallel_overrides) -> RunConfig:
+    """The small workload on a multi-rank world: 3 layers (so stages hold different layer counts)."""
+    cfg = make_small_config(enable_hierarchical_cache=True)
+    cfg.model = ModelConfig(num_layers=3)
+    cfg.parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, sync=sync, collective_timeout_s=20, **parallel_overrides)
+    return RunConfig(cfg.model, cfg.cache, cfg.workload, cfg.parallel, check_outputs=True)
+
+
+@pytest.fixture
+def world_config():
+    """Factory: world_config(tp=, cp=, pp=, sync=, **parallel_overrides) -> RunConfig."""
+    return make_world_config

@@ -1,0 +1,62 @@
+"""Virtual latency, same seed: each legacy world diverges (or crashes on the divergence) and its fixed twin
+completes with identical decisions on every rank and outputs that match the reference."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_lab.launch import run
+
+WORLDS = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp3": {"pp": 3}, "pp2_cp2": {"pp": 2, "cp": 2}}
+
+
+def assert_diverged(summary):
+    assert summary["diverged"], "legacy must diverge"
+    assert summary["first_divergence"]["quantity"] in ("acks_write", "acks_load")
+    if summary["crashed"]:
+        assert summary["failing_rank"] is not None and summary["error"]
+
+
+def assert_consistent(summary):
+    assert summary["completed"], summary["error"]
+    assert not summary["diverged"], summary["first_divergence"]
+    assert summary["outputs_match_reference"] is True, summary["oracle"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_legacy_diverges_and_fixed_does_not(world_config, world, tmp_path):
+    legacy = run(world_config(sync="legacy", **WORLDS[world]), tmp_path / "legacy", verbose=False)
+    fixed = run(world_config(sync="fixed", **WORLDS[world]), tmp_path / "fixed", verbose=False)
+    assert_diverged(legacy)
+    assert_consistent(fixed)
+    assert sum(r["cached_host"] for r in fixed["rounds"]) > 0, "the fixed run must exercise load-back"
+
+
+def test_tp_without_sync_diverges_and_legacy_tp_agreement_does_not(world_config, tmp_path):
+    off = run(world_config(tp=2, sync="off"), tmp_path / "off", verbose=False)
+    legacy = run(world_config(tp=2, sync="legacy"), tmp_path / "legacy", verbose=False)
+    assert_diverged(off)
+    assert "TP peers disagree" in off["error"]
+    assert_consistent(legacy)
+
+
+def test_the_same_seed_gives_the_same_first_divergence(world_config, tmp_path):
+    firsts = [run(world_config(pp=2, sync="legacy"), tmp_path / n, verbose=False)["first_divergence"] for n in "ab"]
+    assert firsts[0] == firsts[1]
+
+
+def test_consensus_check_fails_fast_at_the_first_divergent_step(world_config, tmp_path):
+    plain = run(world_config(pp=2, sync="legacy"), tmp_path / "plain", verbose=False)
+    checked = run(world_config(pp=2, sync="legacy", consensus_check=1), tmp_path / "checked", verbose=False)
+    step = plain["first_divergence"]["step"]
+    assert checked["crashed"] and "ConsensusError" in checked["error"]
+    assert f"at step {step}" in checked["error"] and plain["first_divergence"]["quantity"] in checked["error"]
+
+
+def test_cp_fix_alone_is_what_keeps_cp_peers_together(world_config, tmp_path):
+    without = run(world_config(cp=2, disable_fixes=("cp_groups",)), tmp_path / "without", verbose=False)
+    assert_diverged(without)
+    only_pp = run(
+        world_config(pp=2, sync="legacy", enable_fixes=("pp_relay", "agree_loads")), tmp_path / "pp", verbose=False
+    )
+    assert_consistent(only_pp)
