@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from .config import (
     WorkloadConfig,
 )
 from .launch import run, run_under_torchrun
+from .plots import plot_hit_rates, plot_queue_divergence
 from .report import mean_hit_rate
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
@@ -93,10 +95,11 @@ SECTIONS = {
 }
 
 
-def add_run_flags(parser: argparse.ArgumentParser) -> None:
+def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
+    """Every run flag, defaults from the config dataclasses unless overridden (by field name)."""
     defaults = {name: cls() for name, cls in SECTIONS.items()}
     for flag, section, name, kind, help_text in FLAGS:
-        default = getattr(defaults[section], name)
+        default = overrides.get(name, getattr(defaults[section], name))
         parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
     parser.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host tier (L2)")
     parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
@@ -137,30 +140,58 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
 
 
+DEMO_RUNS = (  # (directory, label, hierarchical cache, sync)
+    ("l1_only", "L1 only", False, "fixed"),
+    ("legacy", "L1 + L2, legacy sync", True, "legacy"),
+    ("fixed", "L1 + L2, fixed sync", True, "fixed"),
+)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The default workload without and with the hierarchical cache, side by side."""
-    results = {}
-    for label, hicache in (("L1 only (device pool)", False), ("L1 + L2 (HiCache, ratio 2)", True)):
-        args.enable_hierarchical_cache = hicache
-        print(f"\n=== {label} ===")
-        results[label] = run(config_from_args(args), Path(args.out) / ("hicache" if hicache else "device_only"))
-    print("\nmean hit rate, rounds 4-7:")
-    for label, summary in results.items():
-        rows = summary["rounds"]
-        bound = mean_hit_rate(rows, 4, 7, key="upper_bound_hit_rate")
-        print(f"  {label:<28} {mean_hit_rate(rows, 4, 7):6.1%}   (infinite cache: {bound:.1%})")
-    return 0 if all(s["completed"] for s in results.values()) else 1
+    """PP=2 on the default workload: L1 only, then L1 + L2 with legacy sync, then with fixed sync."""
+    base, out = config_from_args(args), Path(args.out)
+    summaries = {}
+    for name, label, hicache, sync in DEMO_RUNS:
+        cfg = dataclasses.replace(
+            base,
+            cache=dataclasses.replace(base.cache, enable_hierarchical_cache=hicache),
+            parallel=dataclasses.replace(base.parallel, sync=sync),
+        )
+        print(f"\n=== {label}  (--pp {cfg.parallel.pp} --sync {sync}) ===")
+        summaries[name] = run(cfg, out / name)
+    bound = mean_hit_rate(summaries["l1_only"]["rounds"], 4, 7, key="upper_bound_hit_rate")
+    print(f"\nmean hit rate, rounds 4-7 (infinite cache: {bound:.1%}):")
+    for name, label, _, _ in DEMO_RUNS:
+        summary = summaries[name]
+        verdict = "completed, ranks agree" if not summary["diverged"] else ""
+        if summary["diverged"]:
+            d = summary["first_divergence"]
+            verdict = f"ranks diverged at step {d['step']} on {d['quantity']} {d['values']}"
+        if summary["crashed"]:
+            verdict += f"; crashed on rank {summary['failing_rank']}: {summary['error']}"
+        hit = "   n/a" if summary["crashed"] else f"{mean_hit_rate(summary['rounds'], 4, 7):6.1%}"
+        print(f"  {label:<22} {hit}   {verdict}")
+    figures = Path(args.figures)
+    pp = base.parallel.pp
+    panels = {f"--pp {pp} --sync {name}": (out / name, summaries[name]) for name in ("legacy", "fixed")}
+    plot_queue_divergence(panels, figures / "pp_queue_divergence.png")
+    plot_hit_rates({label: summaries[name] for name, label, _, _ in DEMO_RUNS}, figures / "hit_rate_by_round.png")
+    print(f"\nfigures: {figures}/pp_queue_divergence.png, {figures}/hit_rate_by_round.png")
+    return 0 if summaries["fixed"]["completed"] and not summaries["fixed"]["diverged"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hicache_lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run one configuration and write DIR/summary.json")
-    demo_parser = commands.add_parser("demo", help="the default workload without and with the host tier")
-    for p, default_out in ((run_parser, "runs/latest"), (demo_parser, "runs/demo")):
-        add_run_flags(p)
+    demo_parser = commands.add_parser(
+        "demo", help="PP=2: L1 only, then L1 + L2 with legacy and with fixed sync; writes the figures"
+    )
+    for p, default_out, overrides in ((run_parser, "runs/latest", {}), (demo_parser, "runs/demo", {"pp": 2})):
+        add_run_flags(p, **overrides)
         p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
     run_parser.set_defaults(func=cmd_run)
+    demo_parser.add_argument("--figures", default="figures", help="where the figures go (default: figures)")
     demo_parser.set_defaults(func=cmd_demo)
     args = parser.parse_args(argv)
     try:

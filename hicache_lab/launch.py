@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import RunConfig
+from .config import ConfigError, RunConfig
 from .controller import HiCacheController
 from .hiradix import HiRadixCache
 from .memory import DeviceKVPool, HostKVPool, PageAllocator
@@ -89,7 +89,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     return StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
 
 
-def run_rank(cfg: RunConfig, rank: int, store, out_dir: Path) -> dict:
+def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path) -> dict:
     """One rank, start to end: returns (and writes) its result; never raises for a failure of the run."""
     p = cfg.parallel
     if p.device == "cpu":
@@ -197,17 +197,11 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
     """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 summarizes."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.parallel.world_size:
-        raise ValueError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
+        raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
     out_dir.mkdir(parents=True, exist_ok=True)
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        world,
-        is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
-    )
+    (out_dir / f"rank{rank}.json").unlink(missing_ok=True)  # rank 0 counts these to know when all are done
     started = time.perf_counter()
-    run_rank(cfg, rank, store, out_dir)
+    run_rank(cfg, rank, None, out_dir)  # no store: torch.distributed reads MASTER_ADDR/PORT (env://)
     if rank != 0:
         return None
     deadline = time.monotonic() + cfg.parallel.collective_timeout_s

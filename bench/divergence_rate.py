@@ -1,0 +1,71 @@
+"""How often legacy sync diverges under *real* latency, against fixed, over many seeds.
+
+Real copies finish when they finish, so whether two stages see different acks depends on timing: this
+measures the rate instead of asserting it. Outside `make test` (it takes minutes).
+
+    python -m bench.divergence_rate --pp 2 --seeds 10 --delays-ms 0 2 --enable-hierarchical-cache
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+from pathlib import Path
+
+from hicache_lab.__main__ import add_run_flags, config_from_args
+from hicache_lab.launch import run
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_flags(parser)
+    parser.add_argument("--seeds", type=int, default=10, help="seeds per (delay, sync mode)")
+    parser.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0], help="mean injected delays")
+    parser.add_argument("--out", default=str(RESULTS / "divergence_rate.csv"), help="CSV of every run")
+    args = parser.parse_args()
+    base = config_from_args(args)
+    rows = []
+    for delay in args.delays_ms:
+        for sync in ("legacy", "fixed"):
+            for seed in range(args.seeds):
+                cfg = dataclasses.replace(
+                    base,
+                    cache=dataclasses.replace(base.cache, latency="real", injected_delay_ms=delay),
+                    workload=dataclasses.replace(base.workload, seed=seed),
+                    parallel=dataclasses.replace(base.parallel, sync=sync),
+                )
+                s = run(cfg, verbose=False)
+                rows.append(
+                    {
+                        "pp": cfg.parallel.pp,
+                        "tp": cfg.parallel.tp,
+                        "cp": cfg.parallel.cp,
+                        "delay_ms": delay,
+                        "sync": sync,
+                        "seed": seed,
+                        "diverged": s["diverged"],
+                        "crashed": s["crashed"],
+                        "outputs_match_reference": s["outputs_match_reference"],
+                        "first_divergence_step": (s["first_divergence"] or {}).get("step"),
+                        "error": (s["error"] or "")[:120],
+                    }
+                )
+                print(f"delay {delay} ms, {sync:6}, seed {seed}: diverged={s['diverged']} crashed={s['crashed']}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print("\ndelay_ms  sync     diverged  crashed  (of seeds)")
+    for delay in args.delays_ms:
+        for sync in ("legacy", "fixed"):
+            group = [r for r in rows if r["delay_ms"] == delay and r["sync"] == sync]
+            diverged = sum(r["diverged"] or r["crashed"] for r in group)
+            print(f"{delay:8g}  {sync:7} {diverged:5}/{len(group)}  {sum(r['crashed'] for r in group):5}/{len(group)}")
+
+
+if __name__ == "__main__":
+    main()
