@@ -223,10 +223,15 @@ class HiRadixCache:
         host_indices = torch.cat([n.host_value for n in nodes_to_load])
         if len(host_indices) < self.cfg.load_back_threshold:
             return None
-        self.tree.inc_lock_ref(ancestor)  # the chain's device ancestor must survive the eviction below
+        # Making room may evict, and a write-back eviction may evict from the host: neither may take the chain.
+        self.tree.inc_lock_ref(ancestor)
+        for n in nodes_to_load:
+            self.tree.protect_host(n)
         device_indices = self._retry(
             lambda: self.controller.load(host_indices, last_hit.id), self.evict, len(host_indices)
         )
+        for n in nodes_to_load:
+            self.tree.release_host(n)
         self.tree.dec_lock_ref(ancestor)
         if device_indices is None:
             return None

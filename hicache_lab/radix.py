@@ -264,9 +264,9 @@ class RadixTree:
     def digest(self) -> str:
         """A hash of structure, tiers, locks and host protection (not slot indices): equal trees, equal digests."""
         h = hashlib.sha256()
-        stack = [self.root]
-        while stack:
-            node = stack.pop()
-            h.update(repr((node.key, node.evicted, node.backuped, node.lock_ref, node.host_ref)).encode())
-            stack.extend(node.children[k] for k in sorted(node.children, reverse=True))
+        stack = [(self.root, 0)]
+        while stack:  # pre-order with depths: the sequence determines the shape
+            node, depth = stack.pop()
+            h.update(repr((depth, node.key, node.evicted, node.backuped, node.lock_ref, node.host_ref)).encode())
+            stack.extend((node.children[k], depth + 1) for k in sorted(node.children, reverse=True))
         return h.hexdigest()[:16]
