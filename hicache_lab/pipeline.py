@@ -125,9 +125,13 @@ class StageLoop:
             self.scheduler.add(reqs)
             start = time.perf_counter()
             batch = self.scheduler.schedule(iteration)
-            self._forward(batch)
+            try:
+                self._forward(batch)
+            finally:  # a step that crashes is traced too: its batch is usually the evidence
+                record = self._record(iteration, batch, start)
+            if self.consensus_every and iteration % self.consensus_every == 0:
+                check_consensus(record)
             in_flight.append(batch)
-            self._record(iteration, batch, start)
             self.iteration += 1
         while in_flight:
             self._finish(in_flight.popleft())
@@ -194,7 +198,7 @@ class StageLoop:
 
     # -- observation -------------------------------------------------------------------------------
 
-    def _record(self, iteration: int, batch: Batch, start: float) -> None:
+    def _record(self, iteration: int, batch: Batch, start: float) -> StepRecord:
         cache = self.scheduler.cache
         record = StepRecord(
             step=iteration,
@@ -212,8 +216,7 @@ class StageLoop:
         self.records.append(record)
         if self.trace is not None:
             self.trace.write(record)
-        if self.consensus_every and iteration % self.consensus_every == 0:
-            check_consensus(record)
+        return record
 
 
 class ConsensusError(RuntimeError):
