@@ -33,7 +33,7 @@ def make_world_config(tp=1, cp=1, pp=1, sync="fixed", **parallel_overrides) -> R
     """The small workload on a multi-rank world: 3 layers (so stages hold different layer counts)."""
     cfg = make_small_config(enable_hierarchical_cache=True)
     cfg.model = ModelConfig(num_layers=3)
-    cfg.parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, sync=sync, collective_timeout_s=20, **parallel_overrides)
+    cfg.parallel = ParallelConfig(tp=tp, cp=cp, pp=pp, sync=sync, **{"collective_timeout_s": 20, **parallel_overrides})
     return RunConfig(cfg.model, cfg.cache, cfg.workload, cfg.parallel, check_outputs=True)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_lab.launch import run
+from hicache_lab.trace import read_trace
 
 WORLDS = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp3": {"pp": 3}, "pp2_cp2": {"pp": 2, "cp": 2}}
 
@@ -60,3 +61,25 @@ def test_cp_fix_alone_is_what_keeps_cp_peers_together(world_config, tmp_path):
         world_config(pp=2, sync="legacy", enable_fixes=("pp_relay", "agree_loads")), tmp_path / "pp", verbose=False
     )
     assert_consistent(only_pp)
+
+
+def test_host_pools_sized_in_bytes_agree_on_the_smallest(world_config, tmp_path):
+    """3 layers over 2 stages (2 + 1): --hicache-size in bytes fits twice the tokens on stage 1."""
+
+    def host_free_at_start(**fixes):
+        cfg = world_config(pp=2, **fixes)
+        cfg.cache.hicache_size_gb = 0.0004
+        cfg.workload.num_rounds = 1
+        out = tmp_path / ("min" if not fixes else "own")
+        run(cfg, out, verbose=False)
+        return {row["rank"]: row["host_free"] for row in read_trace(out) if row["step"] == 0}
+
+    assert host_free_at_start() == {0: 390, 1: 390}
+    assert host_free_at_start(disable_fixes=("host_capacity_min",)) == {0: 390, 1: 781}
+
+
+def test_a_failing_rank_brings_the_world_down_in_seconds(world_config, tmp_path):
+    cfg = world_config(pp=2, sync="legacy", collective_timeout_s=60)
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["crashed"] and summary["failing_rank"] is not None
+    assert summary["elapsed_s"] < cfg.parallel.collective_timeout_s, "the others were stopped, not timed out"
