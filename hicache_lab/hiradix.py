@@ -43,6 +43,7 @@ class HiRadixCache:
         self.controller = controller
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
+        self.ready = {"write": 0, "load": 0}  # this rank's own view: leading acks finished at the last check
 
     @property
     def enabled(self) -> bool:
@@ -114,7 +115,8 @@ class HiRadixCache:
         return count
 
     def _agreed_count(self, queue, name: str) -> int:
-        local = self._leading_finished(queue) if self.sync.polls_locally() else 0
+        self.ready[name] = self._leading_finished(queue)  # observed on every rank, for the trace
+        local = self.ready[name] if self.sync.polls_locally() else 0
         return self.sync.agree_ack_count(local, name)
 
     def writing_check(self) -> int:

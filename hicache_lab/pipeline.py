@@ -207,6 +207,8 @@ class StageLoop:
             requests=[r.rid for r in batch.reqs],
             extend_tokens=batch.num_tokens,
             prefix_tokens=sum(len(r.prefix_indices) for r in batch.reqs) if batch.kind == "prefill" else 0,
+            ready_write=cache.ready["write"],
+            ready_load=cache.ready["load"],
             acks_write=batch.acks[0],
             acks_load=batch.acks[1],
             digest=cache.tree.digest(),

@@ -26,7 +26,9 @@ class StepRecord:
     requests: list[int]
     extend_tokens: int
     prefix_tokens: int
-    acks_write: int  # write acks consumed this step (the agreed count)
+    ready_write: int  # write acks this rank saw finished (its own poll; may differ between ranks)
+    ready_load: int
+    acks_write: int  # write acks consumed this step (the agreed count: must not differ)
     acks_load: int
     digest: str  # the tree after the step: equal on ranks that took the same decisions
     device_free: int
