@@ -119,27 +119,23 @@ class HiRadixCache:
         local = self.ready[name] if self.sync.polls_locally() else 0
         return self.sync.agree_ack_count(local, name)
 
+    def _consume_acks(self, queue: list, name: str, ongoing: dict[int, TreeNode]) -> int:
+        count = self._agreed_count(queue, name)
+        for _ in range(count):  # more than this rank holds fails as SGLang did: "pop from empty list"
+            ack = queue.pop(0)
+            ack.finish_event.synchronize()  # where this rank's own copy is not done yet, wait for it
+            self.controller.verify(ack, name)
+            for node_id in ack.node_ids:
+                self.tree.dec_lock_ref(ongoing.pop(node_id))
+        return count
+
     def writing_check(self) -> int:
         """Consume the agreed number of write acks: their nodes become unlocked (and evictable to host-only)."""
-        count = self._agreed_count(self.controller.ack_write_queue, "write")
-        for _ in range(count):
-            ack = self.controller.ack_write_queue.pop(0)
-            ack.finish_event.synchronize()
-            self.controller.verify(ack, "write")
-            for node_id in ack.node_ids:
-                self.tree.dec_lock_ref(self.ongoing_write_through.pop(node_id))
-        return count
+        return self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through)
 
     def loading_check(self) -> int:
         """Consume the agreed number of load acks: loaded nodes lose the lock their load held."""
-        count = self._agreed_count(self.controller.ack_load_queue, "load")
-        for _ in range(count):
-            ack = self.controller.ack_load_queue.pop(0)
-            ack.finish_event.synchronize()
-            self.controller.verify(ack, "load")
-            for node_id in ack.node_ids:
-                self.tree.dec_lock_ref(self.ongoing_load_back.pop(node_id))
-        return count
+        return self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back)
 
     def copies_in_flight(self) -> bool:
         """Unconsumed acks hold locks: until they are consumed, a full pool may still free up."""

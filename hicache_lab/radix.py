@@ -132,11 +132,9 @@ class RadixTree:
             child.host_value = child.host_value[n:]
         return upper
 
-    def match_prefix(self, key: Key) -> MatchResult:
-        """Longest page-aligned match of `key`; splits a node the match ends inside."""
-        ps = self.page_size
-        key = key[: len(key) // ps * ps]
-        node, values = self.root, []
+    def _walk(self, key: Key) -> Iterator[tuple[TreeNode, int]]:
+        """Yield (node, tokens of `key` it matched) down `key`'s path, splitting the node a match ends inside."""
+        node, ps = self.root, self.page_size
         self._touch(node)
         while key and key[:ps] in node.children:
             child = node.children[key[:ps]]
@@ -144,9 +142,15 @@ class RadixTree:
             n = self._match_len(child.key, key)
             if n < len(child.key):
                 child = self._split(child, n)
-            if not child.evicted:
-                values.append(child.value)
+            yield child, n
             node, key = child, key[n:]
+
+    def match_prefix(self, key: Key) -> MatchResult:
+        """Longest page-aligned match of `key`."""
+        node, values = self.root, []
+        for node, _ in self._walk(key[: len(key) // self.page_size * self.page_size]):
+            if not node.evicted:
+                values.append(node.value)
         last_host_node, host_hit = node, 0
         while node.evicted:
             host_hit += len(node.host_value)
@@ -162,25 +166,18 @@ class RadixTree:
         An evicted node on the path adopts the caller's slots (its host copy stays); those tokens are not
         counted in `prefix_len`, so the caller keeps them allocated.
         """
-        ps = self.page_size
-        assert len(key) % ps == 0 and len(key) == len(value), "insert takes whole pages with one slot per token"
-        node, prefix_len, touched = self.root, 0, []
-        self._touch(node)
-        while key and key[:ps] in node.children:
-            child = node.children[key[:ps]]
-            self._touch(child)
-            n = self._match_len(child.key, key)
-            if n < len(child.key):
-                child = self._split(child, n)
-            if child.evicted:
-                child.value = value[:n].clone()
+        assert len(key) % self.page_size == 0 and len(key) == len(value), "insert takes whole pages, a slot each"
+        node, done, prefix_len, touched = self.root, 0, 0, []
+        for node, n in self._walk(key):
+            if node.evicted:
+                node.value = value[done : done + n].clone()
             else:
                 prefix_len += n
-            touched.append(child)
-            node, key, value = child, key[n:], value[n:]
-        if key:
-            leaf = self._new_node(node, key, value.clone())
-            node.children[key[:ps]] = leaf
+            touched.append(node)
+            done += n
+        if done < len(key):
+            leaf = self._new_node(node, key[done:], value[done:].clone())
+            node.children[key[done : done + self.page_size]] = leaf
             touched.append(leaf)
         return InsertResult(prefix_len, touched)
 
