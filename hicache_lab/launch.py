@@ -28,7 +28,7 @@ from .hiradix import HiRadixCache
 from .memory import DeviceKVPool, HostKVPool, PageAllocator
 from .model import TinyModel
 from .oracle import check_outputs
-from .parallel import Groups, RankLayout, build_groups
+from .parallel import Groups, RankLayout, build_groups, get_attn_cp_rank_and_size
 from .pipeline import StageLoop
 from .report import format_table, round_rows, summarize, write_requests
 from .scheduler import Scheduler
@@ -69,7 +69,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         layout.tp_rank,
         layout.tp,
         groups.attn_tp_compute,
-        groups.attn_cp_compute if p.cp > 1 else None,
+        groups.attn_cp_compute if get_attn_cp_rank_and_size(groups)[1] > 1 else None,
     )
     pool = DeviceKVPool(c.max_total_tokens, len(layers), m.num_heads // layout.tp, m.head_dim, p.device)
     device_alloc = PageAllocator(c.max_total_tokens, c.page_size, "device pool")

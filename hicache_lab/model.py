@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .memory import DeviceKVPool
+from .parallel import group_rank_and_size
 
 
 @dataclass
@@ -52,7 +53,7 @@ class TinyModel:
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = layers if layers is not None else range(cfg.num_layers)
         self.tp_size, self.tp_group, self.cp_group = tp_size, tp_group, cp_group
-        self.cp_rank, self.cp_size = (dist.get_rank(cp_group), dist.get_world_size(cp_group)) if cp_group else (0, 1)
+        self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
         g = torch.Generator().manual_seed(cfg.seed)
         d, f, v = cfg.hidden_size, cfg.mlp_size, cfg.vocab_size
 
@@ -80,14 +81,6 @@ class TinyModel:
         self.num_local_heads = cfg.num_heads // tp_size
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=self.device) / half)
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.layers.start == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.layers.stop == self.cfg.num_layers
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
@@ -166,9 +159,3 @@ class TinyModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the given hidden rows, [rows, vocab]."""
         return _rms_norm(hidden, 1.0) @ self.lm_head
-
-    def forward(self, batch: ForwardBatch, pool: DeviceKVPool) -> torch.Tensor:
-        """All layers on one rank: tokens in, logits at each request's last token out."""
-        hidden = self.forward_layers(self.embed(batch.tokens), batch, pool)
-        last = torch.tensor(batch.extend_lens, device=self.device).cumsum(0) - 1
-        return self.logits(hidden[last])

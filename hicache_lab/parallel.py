@@ -102,3 +102,8 @@ def group_rank_and_size(group) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group=group), dist.get_world_size(group=group)
+
+
+def get_attn_cp_rank_and_size(groups: Groups) -> tuple[int, int]:
+    """SGLang's name for it: this rank's attention-CP rank and the CP size, (0, 1) without CP."""
+    return group_rank_and_size(groups.attn_cp_group)

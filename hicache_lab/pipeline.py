@@ -136,7 +136,7 @@ class StageLoop:
         while in_flight:
             self._finish(in_flight.popleft())
         self.drain_sends()
-        self.scheduler.cache.sync.drain_async_work()
+        self.scheduler.cache.sync.finish()
 
     def _exchange_requests(self) -> tuple[list[Req], bool, bool]:
         if self.pp_rank == 0:
@@ -165,12 +165,10 @@ class StageLoop:
         if self.pp_rank < self.last:
             self._send_hidden(hidden)
             return
-        logits = None
         if n:
             last_rows = torch.tensor(batch.forward.extend_lens).cumsum(0) - 1
-            logits = self.model.logits(hidden[last_rows.to(hidden.device)]).cpu()
-        batch.logits = logits
-        batch.tokens = logits.argmax(-1).tolist() if logits is not None else []
+            batch.logits = self.model.logits(hidden[last_rows.to(hidden.device)]).cpu()
+            batch.tokens = batch.logits.argmax(-1).tolist()
         for stage in range(self.last):
             self._send_sized(torch.tensor(batch.tokens, dtype=torch.int64), stage)
 

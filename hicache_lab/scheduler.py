@@ -61,6 +61,8 @@ class Batch:
     reqs: list[Req]
     forward: ForwardBatch | None
     acks: tuple[int, int]  # (write, load) acks consumed before building it
+    tokens: list[int] = field(default_factory=list)  # sampled by the last stage, one per request
+    logits: torch.Tensor | None = None  # last stage only: kept for the oracle
 
     @property
     def num_tokens(self) -> int:
@@ -80,9 +82,6 @@ class Scheduler:
 
     def add(self, reqs: list[Req]) -> None:
         self.waiting.extend(reqs)
-
-    def idle(self) -> bool:
-        return not self.waiting and not self.running
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size

@@ -40,9 +40,6 @@ class CacheSync:
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
 
-    def get_attn_cp_rank_and_size(self) -> tuple[int, int]:
-        return group_rank_and_size(self.groups.attn_cp_group)
-
     # -- primitives (SGLang's names) ---------------------------------------------------------------
 
     def _attn_groups(self) -> list:
@@ -87,6 +84,14 @@ class CacheSync:
         for work in self.work_list:
             work.wait()
         self.work_list = []
+
+    def finish(self) -> None:
+        """End of the run: every relay send delivered, and attention peers leave together (SGLang uses the
+        same barrier when a request is aborted; the lab's workload aborts nothing)."""
+        for work in self.work_list:
+            work.wait()
+        self.work_list = []
+        self._barrier_attn_groups()
 
     def _reap_completed_async_work(self) -> None:
         done = 0
