@@ -108,6 +108,21 @@ class HostKVPool:
         for dst, src in zip(device.buffers(layer), self.buffers(layer), strict=True):
             copy_rows(dst, device_idx, src, host_idx)
 
+    def page_shape(self, tokens: int) -> tuple[int, ...]:
+        k = self.buffers(0)[0]
+        return (2, self.num_layers, tokens, *k.shape[1:])
+
+    def page_data(self, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of `slots` in every layer, [2, layers, tokens, heads, head_dim] (what storage keeps)."""
+        return torch.stack(
+            [torch.stack([kv[slots] for kv in self.buffers(layer)]) for layer in range(self.num_layers)], 1
+        )
+
+    def set_page_data(self, slots: torch.Tensor, data: torch.Tensor) -> None:
+        for layer in range(self.num_layers):
+            for kind, buffer in enumerate(self.buffers(layer)):
+                buffer[slots] = data[kind, layer]
+
     def poison(self, slots: torch.Tensor) -> None:
         if self.layout == "layer_first":
             self.kv[:, :, slots] = POISON

@@ -1,0 +1,61 @@
+"""The file backend: exact round trips, leading-page semantics, and damaged files read as misses."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache_lab.memory import DeviceKVPool, HostKVPool
+from hicache_lab.radix import page_hashes
+from hicache_lab.storage import FileStorage, storage_suffix
+
+
+def host_pool(layout="layer_first"):
+    device = DeviceKVPool(16, num_layers=2, num_heads=2, head_dim=4, device="cpu")
+    host = HostKVPool(32, device, layout)
+    host.kv.copy_(torch.randn_like(host.kv))
+    return host
+
+
+def pages(count, page_size=4):
+    return [torch.arange(i * page_size, (i + 1) * page_size) for i in range(count)]
+
+
+def test_pages_round_trip_exactly_into_other_slots(tmp_path):
+    host = host_pool("page_first")
+    store = FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(12)), 4)
+    assert store.batch_set(hashes, host, pages(3)) == 3
+    elsewhere = [p + 16 for p in pages(3)]
+    assert store.batch_get(hashes, host, elsewhere) == 3
+    for src, dst in zip(pages(3), elsewhere, strict=True):
+        assert torch.equal(host.page_data(src), host.page_data(dst))
+
+
+def test_exists_counts_only_the_leading_run(tmp_path):
+    host, store = host_pool(), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(16)), 4)
+    store.batch_set([hashes[0], hashes[1], hashes[3]], host, pages(3))
+    assert store.batch_exists(hashes) == 2
+
+
+def test_damaged_files_are_misses_not_data(tmp_path):
+    host, store = host_pool(), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(12)), 4)
+    store.batch_set(hashes, host, pages(3))
+    before = host.page_data(torch.arange(20, 24)).clone()
+    (tmp_path / f"{hashes[1]}_s.bin").write_bytes(b"HCLP1" + b"\0" * 40)  # truncated
+    assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 1
+    assert torch.equal(host.page_data(torch.arange(20, 24)), before), "nothing written past the damage"
+    path = tmp_path / f"{hashes[0]}_s.bin"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # one flipped byte
+    path.write_bytes(bytes(raw))
+    assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 0
+    assert store.stats["corrupted"] == 2
+
+
+def test_keys_name_model_shard_and_stage_but_not_the_cp_rank():
+    fixed = storage_suffix(0, tp_rank=1, tp=2, layers=range(0, 2))
+    assert fixed == "m0_tp1of2_L0-2"
+    assert storage_suffix(0, 1, 2, range(0, 2), cp_rank=1).endswith("_cp1")
+    assert storage_suffix(0, 1, 2, range(2, 4)) != fixed
