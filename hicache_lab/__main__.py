@@ -11,6 +11,8 @@ from pathlib import Path
 from .config import (
     HOST_LAYOUTS,
     LATENCY_MODELS,
+    PREFETCH_POLICIES,
+    STORAGE_BACKENDS,
     SYNC_FIXES,
     SYNC_MODES,
     WRITE_POLICIES,
@@ -66,6 +68,11 @@ FLAGS = [
         float,
         "real: mean extra delay per copy (exponential)",
     ),
+    ("--hicache-storage-backend", "cache", "storage_backend", str, f"L3 tier: {', '.join(STORAGE_BACKENDS)}"),
+    ("--hicache-storage-dir", "cache", "storage_dir", str, "file backend directory (empty: DIR/storage, cleared)"),
+    ("--hicache-storage-prefetch-policy", "cache", "prefetch_policy", str, f"{', '.join(PREFETCH_POLICIES)}"),
+    ("--storage-prefetch-threshold", "cache", "prefetch_threshold", int, "smallest storage hit (tokens) to fetch"),
+    ("--storage-prefetch-timeout-steps", "cache", "prefetch_timeout_steps", int, "timeout policy: steps to wait"),
     ("--num-clients", "workload", "num_clients", int, "concurrent conversations"),
     ("--num-rounds", "workload", "num_rounds", int, "turns per conversation"),
     ("--request-length", "workload", "request_length", int, "tokens of each conversation's first prompt"),
@@ -105,6 +112,9 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
     parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
     parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
     parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
+    parser.add_argument(
+        "--flush-cache-between-rounds", action="store_true", help="drop device and host caches between rounds"
+    )
     for verb in ("enable", "disable"):
         parser.add_argument(
             f"--{verb}-fix",
@@ -121,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         values[section][name] = getattr(args, flag.lstrip("-").replace("-", "_"))
     values["cache"]["enable_hierarchical_cache"] = args.enable_hierarchical_cache
     values["cache"]["skip_load_wait"] = args.skip_load_wait
+    values["cache"]["flush_between_rounds"] = args.flush_cache_between_rounds
     values["workload"]["round_barrier"] = not args.no_round_barrier
     values["parallel"]["enable_fixes"] = tuple(args.enable_fix)
     values["parallel"]["disable_fixes"] = tuple(args.disable_fix)

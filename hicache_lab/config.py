@@ -13,7 +13,17 @@ HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 SYNC_MODES = ("off", "legacy", "fixed")
 # The fixes `fixed` applies and `legacy` lacks; each can be switched alone (sync.py says what each does).
-SYNC_FIXES = ("pp_relay", "cp_groups", "agree_loads", "host_capacity_min", "bounded_drain")
+SYNC_FIXES = (
+    "pp_relay",
+    "cp_groups",
+    "agree_loads",
+    "host_capacity_min",
+    "bounded_drain",
+    "prefetch_groups",
+    "storage_keys",
+)
+STORAGE_BACKENDS = ("none", "file")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
 
 
@@ -71,6 +81,12 @@ class CacheConfig:
     max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
     injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
+    storage_backend: str = "none"  # L3
+    storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold: int = 64  # tokens: shorter storage hits are not worth a prefetch (SGLang: 256)
+    prefetch_timeout_steps: int = 4  # `timeout` policy: give up waiting for the rest after this many steps
+    flush_between_rounds: bool = False  # drop device and host caches between rounds: hits must come from L3
 
     def __post_init__(self) -> None:
         _check(self.page_size >= 1, "--page-size must be at least 1")
@@ -86,6 +102,13 @@ class CacheConfig:
         _check(self.max_copy_delay_steps >= 0, "--max-copy-delay-steps must be >= 0")
         _check(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
         _check(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
+        _check_choice(self.storage_backend, STORAGE_BACKENDS, "--hicache-storage-backend")
+        _check_choice(self.prefetch_policy, PREFETCH_POLICIES, "--hicache-storage-prefetch-policy")
+        _check(
+            self.storage_backend == "none" or self.enable_hierarchical_cache,
+            "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache",
+        )
+        _check(self.prefetch_threshold >= self.page_size, "--storage-prefetch-threshold must be at least a page")
         if self.enable_hierarchical_cache and self.hicache_size_gb == 0:
             _check(
                 self.hicache_ratio > 1,

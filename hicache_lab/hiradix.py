@@ -44,6 +44,7 @@ class HiRadixCache:
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
         self.ready = {"write": 0, "load": 0}  # this rank's own view: leading acks finished at the last check
+        self.storage = None  # the L3 tier (l3.StorageTier), attached once built around this tree
 
     @property
     def enabled(self) -> bool:
@@ -119,33 +120,76 @@ class HiRadixCache:
         local = self.ready[name] if self.sync.polls_locally() else 0
         return self.sync.agree_ack_count(local, name)
 
-    def _consume_acks(self, queue: list, name: str, ongoing: dict[int, TreeNode]) -> int:
-        count = self._agreed_count(queue, name)
+    def _consume_acks(self, queue: list, name: str, ongoing: dict[int, TreeNode], count: int) -> list[TreeNode]:
+        nodes = []
         for _ in range(count):  # more than this rank holds fails as SGLang did: "pop from empty list"
             ack = queue.pop(0)
             ack.finish_event.synchronize()  # where this rank's own copy is not done yet, wait for it
             self.controller.verify(ack, name)
             for node_id in ack.node_ids:
-                self.tree.dec_lock_ref(ongoing.pop(node_id))
+                nodes.append(ongoing.pop(node_id))
+                self.tree.dec_lock_ref(nodes[-1])
+        return nodes
+
+    def writing_check(self, everything: bool = False) -> int:
+        """Consume the agreed number of write acks (or all of them): their nodes become unlocked (and evictable
+        to host-only) and, with a storage tier, are backed up to it."""
+        queue = self.controller.ack_write_queue
+        count = len(queue) if everything else self._agreed_count(queue, "write")
+        for node in self._consume_acks(queue, "write", self.ongoing_write_through, count):
+            if self.storage is not None:
+                self.storage.backup(node)
         return count
 
-    def writing_check(self) -> int:
-        """Consume the agreed number of write acks: their nodes become unlocked (and evictable to host-only)."""
-        return self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through)
-
-    def loading_check(self) -> int:
-        """Consume the agreed number of load acks: loaded nodes lose the lock their load held."""
-        return self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back)
+    def loading_check(self, everything: bool = False) -> int:
+        """Consume the agreed number of load acks (or all of them): loaded nodes lose the lock their load held."""
+        queue = self.controller.ack_load_queue
+        count = len(queue) if everything else self._agreed_count(queue, "load")
+        self._consume_acks(queue, "load", self.ongoing_load_back, count)
+        return count
 
     def copies_in_flight(self) -> bool:
-        """Unconsumed acks hold locks: until they are consumed, a full pool may still free up."""
-        return self.enabled and bool(self.controller.ack_write_queue or self.controller.ack_load_queue)
+        """Unconsumed acks hold locks and prefetches hold requests back: until they end, a stalled schedule
+        may still move."""
+        if not self.enabled:
+            return False
+        storage_busy = self.storage is not None and bool(self.storage.prefetches or self.storage.backups)
+        return storage_busy or bool(self.controller.ack_write_queue or self.controller.ack_load_queue)
 
     def check_hicache_events(self) -> tuple[int, int]:
-        """Start of every step: (write acks, load acks) consumed."""
+        """Start of every step: (write acks, load acks) consumed; finished storage backups released."""
         if not self.enabled:
             return 0, 0
-        return self.writing_check(), self.loading_check()
+        consumed = self.writing_check(), self.loading_check()
+        if self.storage is not None:
+            self.storage.drain_backups()
+        return consumed
+
+    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
+        """A request arrived: fetch from storage what of its prompt the tree does not hold (if worth it)."""
+        ps = self.cfg.page_size
+        key = tuple(prompt[: (len(prompt) - 1) // ps * ps])
+        match = self.match_prefix(key)
+        anchor = match.last_host_node if match.host_hit_length else match.last_device_node
+        held = len(match.device_indices) + match.host_hit_length
+        if len(key) - held >= self.cfg.prefetch_threshold:
+            self.storage.prefetch(rid, anchor, key[held:], self.evict_host)
+
+    def flush(self) -> None:
+        """Drop every cached prefix from device and host (between rounds, nothing running): later hits must
+        come from storage. Copies in flight are finished and consumed first, alike on every rank."""
+        if self.enabled:
+            self.writing_check(everything=True)
+            self.loading_check(everything=True)
+        if self.storage is not None:
+            self.storage.finish_all()
+        for node in list(self.tree.nodes()):
+            assert node.lock_ref == 0 and node.host_ref == 0, "flush while a request or copy holds the cache"
+            if not node.evicted:
+                self.device_alloc.free(node.value)
+            if node.backuped:
+                self.controller.host_alloc.free(node.host_value)
+        self.tree.reset()
 
     # -- eviction ----------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .config import ConfigError, RunConfig
 from .controller import HiCacheController
 from .hiradix import HiRadixCache
+from .l3 import StorageTier
 from .memory import DeviceKVPool, HostKVPool, PageAllocator
 from .model import TinyModel
 from .oracle import check_outputs
@@ -32,6 +33,7 @@ from .parallel import Groups, RankLayout, build_groups, get_attn_cp_rank_and_siz
 from .pipeline import StageLoop
 from .report import format_table, round_rows, summarize, write_requests
 from .scheduler import Scheduler
+from .storage import FileStorage, storage_suffix
 from .sync import CacheSync
 from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
@@ -58,6 +60,31 @@ def host_pool_tokens(cfg: RunConfig, bytes_per_token: int) -> int:
     return tokens
 
 
+def build_storage_tier(cfg: RunConfig, groups: Groups, layers: range, cache: HiRadixCache, directory: Path):
+    """The file backend under this rank's keys, and the tier moving pages between it and the host pool."""
+    layout, fixes = groups.layout, cfg.parallel.fixes
+    cp_rank, cp_size = get_attn_cp_rank_and_size(groups)
+    suffix = storage_suffix(
+        cfg.model.seed, layout.tp_rank, layout.tp, layers, None if "storage_keys" in fixes else cp_rank
+    )
+    backend = FileStorage(directory, suffix)
+    if not cfg.cache.storage_dir and cp_rank == 0:  # a run-local store starts empty (one writer per key set)
+        backend.clear()
+    controller = cache.controller
+    return StorageTier(
+        cfg.cache,
+        backend,
+        cache.tree,
+        controller.host_pool,
+        controller.host_alloc,
+        cache.sync,
+        cp_rank,
+        cp_size,
+        cfg.workload.seed,
+        layout.rank,
+    )
+
+
 def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     """Model, pools, copy engine, cache, scheduler and event loop of one rank."""
     m, c, p, layout = cfg.model, cfg.cache, cfg.parallel, groups.layout
@@ -82,7 +109,10 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         host_pool = HostKVPool(host_tokens, pool, c.host_layout)
         host_alloc = PageAllocator(host_tokens, c.page_size, "host pool")
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
-    cache = HiRadixCache(c, device_alloc, CacheSync(p.sync, groups, p.fixes), controller)
+    sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
+    cache = HiRadixCache(c, device_alloc, sync, controller)
+    if c.storage_backend == "file":
+        cache.storage = build_storage_tier(cfg, groups, layers, cache, Path(c.storage_dir or out_dir / "storage"))
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
     feeder = Feeder(MultiTurnWorkload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)

@@ -58,6 +58,7 @@ class Groups:
     """The groups one rank belongs to. Cache groups are gloo; `*_compute` carry model traffic."""
 
     layout: RankLayout
+    timeout: datetime.timedelta  # of every collective, from --collective-timeout
     tp_group: object
     attn_tp_group: object
     attn_cp_group: object
@@ -86,6 +87,7 @@ def build_groups(layout: RankLayout, cfg: ParallelConfig) -> Groups:
                     mine[name] = group
     return Groups(
         layout,
+        timeout,
         tp_group=mine["tp"],
         attn_tp_group=mine["attn_tp"],
         attn_cp_group=mine["attn_cp"],

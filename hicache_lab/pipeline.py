@@ -118,9 +118,12 @@ class StageLoop:
             if stop:
                 break
             if new_round:
+                cache = self.scheduler.cache
                 self.drain_sends(before=iteration - self.pp_size + 1)
-                self.scheduler.cache.sync.drain_async_work()
-                self.scheduler.cache.check_integrity(self.scheduler.held_by_requests())
+                cache.sync.drain_async_work()
+                cache.check_integrity(self.scheduler.held_by_requests())
+                if cache.cfg.flush_between_rounds and iteration > 0:
+                    cache.flush()
             self.reqs += reqs
             self.scheduler.add(reqs)
             start = time.perf_counter()

@@ -80,6 +80,10 @@ class RadixTree:
         self.page_size = page_size
         self.clock = 0
         self._next_id = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop every node (node ids and the clock keep counting)."""
         empty = torch.empty(0, dtype=torch.int64)
         self.root = self._new_node(None, (), empty)
         self.root.host_value = empty
@@ -132,9 +136,10 @@ class RadixTree:
             child.host_value = child.host_value[n:]
         return upper
 
-    def _walk(self, key: Key) -> Iterator[tuple[TreeNode, int]]:
-        """Yield (node, tokens of `key` it matched) down `key`'s path, splitting the node a match ends inside."""
-        node, ps = self.root, self.page_size
+    def _walk(self, key: Key, start: TreeNode | None = None) -> Iterator[tuple[TreeNode, int]]:
+        """Yield (node, tokens of `key` it matched) down `key`'s path from `start` (the root), splitting the
+        node a match ends inside."""
+        node, ps = start or self.root, self.page_size
         self._touch(node)
         while key and key[:ps] in node.children:
             child = node.children[key[:ps]]
@@ -181,6 +186,19 @@ class RadixTree:
             touched.append(leaf)
         return InsertResult(prefix_len, touched)
 
+    def insert_host(self, anchor: TreeNode, key: Key, host_value: torch.Tensor) -> torch.Tensor:
+        """Insert `key`, continuing the path ending at `anchor`, as a host-only node holding `host_value`
+        (pages fetched from storage). Tokens the tree already holds are skipped; returns the positions of
+        `host_value` now owned by the tree (the caller frees the rest)."""
+        node, done = anchor, 0
+        for node, n in self._walk(key, anchor):  # noqa: B007 - the last node visited gets the new leaf
+            done += n
+        if done < len(key):
+            leaf = self._new_node(node, key[done:], None)
+            leaf.host_value = host_value[done:].clone()
+            node.children[key[done : done + self.page_size]] = leaf
+        return torch.arange(done, len(key))
+
     def delete_leaf(self, node: TreeNode) -> None:
         assert not node.children and node is not self.root
         del node.parent.children[node.key[: self.page_size]]
@@ -199,12 +217,17 @@ class RadixTree:
             node = node.parent
 
     def protect_host(self, node: TreeNode) -> None:
-        """Keep `node`'s host copy from host eviction (while storage reads or writes it)."""
-        node.host_ref += 1
+        """Keep `node`'s host copy from host eviction (while storage reads or writes it). Like locks, the
+        protection propagates to the root, so a split keeps both halves protected and release undoes both."""
+        while node is not self.root:
+            node.host_ref += 1
+            node = node.parent
 
     def release_host(self, node: TreeNode) -> None:
-        assert node.host_ref > 0, f"unbalanced release_host on node {node.id}"
-        node.host_ref -= 1
+        while node is not self.root:
+            assert node.host_ref > 0, f"unbalanced release_host on node {node.id}"
+            node.host_ref -= 1
+            node = node.parent
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -255,6 +278,7 @@ class RadixTree:
             )
             assert node.lock_ref >= 0 and node.host_ref >= 0, f"{where}: negative reference count"
             assert parent is self.root or parent.lock_ref >= node.lock_ref, f"{where}: lock not propagated"
+            assert parent is self.root or parent.host_ref >= node.host_ref, f"{where}: protection not propagated"
             prev = parent.hashes[-1] if parent.hashes else ""
             assert node.hashes == page_hashes(node.key, ps, prev), f"{where}: hash chain broken"
 

@@ -21,16 +21,17 @@ def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
         prompt = sum(len(r.prompt) for r in batch)
         device = sum(r.cached_device for r in batch)
         host = sum(r.cached_host for r in batch)
+        storage = sum(r.cached_storage for r in batch)
         rows.append(
             {
                 "round": round_,
                 "requests": len(batch),
                 "prompt_tokens": prompt,
-                "cached_tokens": device + host,
+                "cached_tokens": device + host + storage,
                 "cached_device": device,
                 "cached_host": host,
-                "cached_storage": 0,
-                "hit_rate": (device + host) / prompt,
+                "cached_storage": storage,
+                "hit_rate": (device + host + storage) / prompt,
                 "upper_bound_hit_rate": sum(r.upper_bound_cached for r in batch) / prompt,
                 "ttft_ms": 1e3 * sum(r.first_token_at - r.arrival for r in batch) / len(batch),
                 "step_ms": sum(steps) / len(steps) if steps else 0.0,
@@ -40,11 +41,15 @@ def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'round':>5} {'prompt':>7} {'device':>7} {'host':>6} {'hit':>6} {'bound':>6} {'ttft_ms':>8} {'step_ms':>8}"
+    head = (
+        f"{'round':>5} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>7} {'hit':>6} {'bound':>6} "
+        f"{'ttft_ms':>8} {'step_ms':>8}"
+    )
     lines = [head]
     for r in rows:
         lines.append(
             f"{r['round']:>5} {r['prompt_tokens']:>7} {r['cached_device']:>7} {r['cached_host']:>6} "
+            f"{r['cached_storage']:>7} "
             f"{r['hit_rate']:>6.1%} {r['upper_bound_hit_rate']:>6.1%} {r['ttft_ms']:>8.1f} {r['step_ms']:>8.2f}"
         )
     return "\n".join(lines)

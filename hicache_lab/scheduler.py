@@ -40,6 +40,7 @@ class Req:
     kv_len: int = 0  # tokens whose K/V are in the pool
     cached_device: int = 0
     cached_host: int = 0
+    cached_storage: int = 0  # loaded from host after a prefetch brought it from storage
     upper_bound_cached: int = 0  # what an infinite cache would have matched
     first_token_at: float = 0.0
     in_flight: bool = False  # in a micro-batch whose sampled tokens have not come back yet
@@ -81,7 +82,10 @@ class Scheduler:
         self.running: list[Req] = []  # admitted and not finished; `in_flight` ones are in a micro-batch
 
     def add(self, reqs: list[Req]) -> None:
-        self.waiting.extend(reqs)
+        for req in reqs:
+            if self.cache.storage is not None:
+                self.cache.prefetch_from_storage(req.rid, req.prompt)
+            self.waiting.append(req)
 
     def _pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size) * self.page_size
@@ -89,6 +93,8 @@ class Scheduler:
     def schedule(self, iteration: int) -> Batch:
         """Advance copies, consume agreed acks, then build a prefill batch if one fits, else a decode batch."""
         self.engine.advance(iteration)
+        if self.cache.storage is not None:
+            self.cache.storage.advance(iteration)
         acks = self.cache.check_hicache_events()
         batch = self._admit_batch()
         if batch:
@@ -133,7 +139,9 @@ class Scheduler:
 
     def _admit(self, req: Req) -> bool:
         """Match, lock, check room, load back, reserve slots; False (and nothing held) if it does not fit."""
-        ps, tree = self.page_size, self.cache.tree
+        ps, tree, storage = self.page_size, self.cache.tree, self.cache.storage
+        if storage is not None and not storage.check_prefetch_progress(req.rid):
+            return False  # its prefetch is still running (wait_complete / timeout policies)
         match = self.cache.match_prefix(tuple(req.prompt[: (len(req.prompt) - 1) // ps * ps]))
         device_len = len(match.device_indices)
         need = self._pages(len(req.prompt) - device_len + req.max_new_tokens)
@@ -148,7 +156,10 @@ class Scheduler:
             tree.inc_lock_ref(last)
             tree.dec_lock_ref(match.last_device_node)
         req.prefix_indices, req.last_node = prefix, last
-        req.cached_device, req.cached_host = device_len, len(prefix) - device_len
+        req.cached_device = device_len
+        from_storage = storage.stats.per_request.pop(req.rid, 0) if storage is not None else 0
+        req.cached_storage = min(from_storage, len(prefix) - device_len)
+        req.cached_host = len(prefix) - device_len - req.cached_storage
         req.own_slots = self.cache.alloc_device(self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens))
         return True
 

@@ -18,6 +18,10 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
 * `host_capacity_min` - stages sized in bytes agree on the smallest host pool (launch.host_pool_tokens).
 * `bounded_drain`     - relay sends are waited for once a round, instead of reaped by polling (which grew
                         without bound behind a lagging stage).
+* `prefetch_groups`   - storage hit counts and prefetch progress are agreed over gloo groups built from the
+                        attention-CP, attention-TP and PP groups, not the attention-TP group alone (CP fix).
+* `storage_keys`      - storage keys leave the CP rank out, so CP peers find each other's pages (CP fix;
+                        applied where the keys are made, launch.build_stage).
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
 return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
@@ -32,13 +36,17 @@ import torch.distributed as dist
 from .parallel import Groups, group_rank_and_size
 
 MIN = dist.ReduceOp.MIN
+MAX = dist.ReduceOp.MAX
 
 
 class CacheSync:
-    def __init__(self, mode: str, groups: Groups, fixes: frozenset[str]):
+    def __init__(self, mode: str, groups: Groups, fixes: frozenset[str], storage: bool = False):
         self.mode, self.groups, self.fixes = mode, groups, fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
+        self.prefetch_sync_groups: list = []
+        if storage:
+            self._create_prefetch_sync_groups()
 
     # -- primitives (SGLang's names) ---------------------------------------------------------------
 
@@ -92,6 +100,40 @@ class CacheSync:
             work.wait()
         self.work_list = []
         self._barrier_attn_groups()
+        self._destroy_prefetch_sync_groups()
+
+    def _create_prefetch_sync_groups(self) -> None:
+        """The storage path's own gloo groups, built from the attention-CP, attention-TP and PP groups (without
+        the CP fix: attention-TP alone), size-1 groups skipped and identical rank sets made once. Collective:
+        every rank creates every group, in the same order."""
+        kinds = ("attn_cp", "attn_tp", "pp") if "prefetch_groups" in self.fixes else ("attn_tp",)
+        rank_lists = self.groups.layout.group_rank_lists()
+        seen: set[tuple[int, ...]] = set()
+        for ranks in (tuple(r) for kind in kinds for r in rank_lists[kind]):
+            if len(ranks) == 1 or ranks in seen:
+                continue
+            seen.add(ranks)
+            group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
+            if self.groups.layout.rank in ranks:
+                self.prefetch_sync_groups.append(group)
+
+    def _all_reduce_prefetch_groups(self, data: torch.Tensor, op) -> None:
+        for group in self.prefetch_sync_groups:
+            dist.all_reduce(data, op=op, group=group)
+
+    def _destroy_prefetch_sync_groups(self) -> None:
+        for group in self.prefetch_sync_groups:
+            dist.destroy_process_group(group)
+        self.prefetch_sync_groups = []
+
+    def agree_storage(self, values: list[int], op=MIN) -> list[int]:
+        """Storage hit pages (MIN), prefetch not-ready flags (MAX) or completed pages (MIN), agreed by every
+        rank holding the same shard of data. Runs at the same point of the same iteration on every stage."""
+        if self.mode == "off":
+            return values
+        data = torch.tensor(values, dtype=torch.int64)
+        self._all_reduce_prefetch_groups(data, op)
+        return data.tolist()
 
     def _reap_completed_async_work(self) -> None:
         done = 0
