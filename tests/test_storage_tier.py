@@ -1,0 +1,62 @@
+"""L3: pages backed up to the file store come back through prefetch, and the CP fixes decide whether CP
+peers find each other's pages and agree on what they fetched."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache_lab.launch import run
+
+
+def storage_world(world_config, tmp_path, **parallel):
+    cfg = world_config(**parallel)
+    cfg.cache.storage_backend = "file"
+    cfg.cache.storage_dir = ""
+    cfg.cache.prefetch_policy = "wait_complete"
+    cfg.cache.prefetch_threshold = 16
+    cfg.cache.flush_between_rounds = True
+    return cfg
+
+
+def storage_hit(summary) -> float:
+    rows = [r for r in summary["rounds"] if r["round"] > 0]
+    return sum(r["cached_storage"] for r in rows) / sum(r["prompt_tokens"] for r in rows)
+
+
+@pytest.fixture(scope="module")
+def single_rank_storage_hit(tmp_path_factory):
+    from conftest import make_world_config
+
+    summary = run(storage_world(make_world_config, None), tmp_path_factory.mktemp("one"), verbose=False)
+    assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
+    return storage_hit(summary)
+
+
+def test_flushed_caches_hit_from_storage_with_exact_outputs(single_rank_storage_hit):
+    assert single_rank_storage_hit > 0.6  # every later round finds its whole history in storage
+
+
+@pytest.mark.parametrize("policy", ["best_effort", "timeout"])
+def test_every_prefetch_policy_keeps_outputs_exact(world_config, tmp_path, policy):
+    cfg = storage_world(world_config, tmp_path)
+    cfg.cache.prefetch_policy = policy
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
+
+
+def test_cp_peers_with_fixed_keys_hit_like_one_rank(world_config, tmp_path, single_rank_storage_hit):
+    summary = run(storage_world(world_config, tmp_path, cp=2), tmp_path, verbose=False)
+    assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
+    assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)
+
+
+def test_cp_rank_in_storage_keys_collapses_the_storage_hit_rate(world_config, tmp_path):
+    cfg = storage_world(world_config, tmp_path, cp=2, disable_fixes=("storage_keys",))
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and not summary["diverged"]
+    assert storage_hit(summary) == 0.0  # each peer finds only its own pages: the MIN of hits is 0
+
+
+def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
+    summary = run(storage_world(world_config, tmp_path, cp=2, sync="legacy"), tmp_path, verbose=False)
+    assert summary["diverged"]
