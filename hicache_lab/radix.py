@@ -205,29 +205,27 @@ class RadixTree:
 
     # -- locks -------------------------------------------------------------------------------------
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
+    def _count_on_path(self, node: TreeNode, counter: str, delta: int) -> None:
+        """Add `delta` to `counter` of `node` and of every ancestor below the root."""
         while node is not self.root:
-            node.lock_ref += 1
+            value = getattr(node, counter) + delta
+            assert value >= 0, f"unbalanced {counter} on node {node.id}"
+            setattr(node, counter, value)
             node = node.parent
 
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        self._count_on_path(node, "lock_ref", 1)
+
     def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
-            assert node.lock_ref > 0, f"unbalanced dec_lock_ref on node {node.id}"
-            node.lock_ref -= 1
-            node = node.parent
+        self._count_on_path(node, "lock_ref", -1)
 
     def protect_host(self, node: TreeNode) -> None:
         """Keep `node`'s host copy from host eviction (while storage reads or writes it). Like locks, the
         protection propagates to the root, so a split keeps both halves protected and release undoes both."""
-        while node is not self.root:
-            node.host_ref += 1
-            node = node.parent
+        self._count_on_path(node, "host_ref", 1)
 
     def release_host(self, node: TreeNode) -> None:
-        while node is not self.root:
-            assert node.host_ref > 0, f"unbalanced release_host on node {node.id}"
-            node.host_ref -= 1
-            node = node.parent
+        self._count_on_path(node, "host_ref", -1)
 
     # -- queries -----------------------------------------------------------------------------------
 
