@@ -71,6 +71,8 @@ FLAGS = [
     ("--hicache-storage-backend", "cache", "storage_backend", str, f"L3 tier: {', '.join(STORAGE_BACKENDS)}"),
     ("--hicache-storage-dir", "cache", "storage_dir", str, "file backend directory (empty: DIR/storage, cleared)"),
     ("--hicache-storage-prefetch-policy", "cache", "prefetch_policy", str, f"{', '.join(PREFETCH_POLICIES)}"),
+    ("--mooncake-master", "cache", "mooncake_master", str, "HOST:PORT of a mooncake_master (empty: start one)"),
+    ("--mooncake-metadata-url", "cache", "mooncake_metadata_url", str, "its HTTP metadata URL"),
     ("--storage-prefetch-threshold", "cache", "prefetch_threshold", int, "smallest storage hit (tokens) to fetch"),
     ("--storage-prefetch-timeout-steps", "cache", "prefetch_timeout_steps", int, "timeout policy: steps to wait"),
     ("--num-clients", "workload", "num_clients", int, "concurrent conversations"),

@@ -22,7 +22,7 @@ SYNC_FIXES = (
     "prefetch_groups",
     "storage_keys",
 )
-STORAGE_BACKENDS = ("none", "file")
+STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
 
@@ -83,6 +83,8 @@ class CacheConfig:
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
     storage_backend: str = "none"  # L3
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
+    mooncake_master: str = ""  # HOST:PORT of a running mooncake_master; empty: the run starts one on 127.0.0.1
+    mooncake_metadata_url: str = ""  # its HTTP metadata server, e.g. http://127.0.0.1:8080/metadata
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 64  # tokens: shorter storage hits are not worth a prefetch (SGLang: 256)
     prefetch_timeout_steps: int = 4  # `timeout` policy: give up waiting for the rest after this many steps
@@ -109,6 +111,10 @@ class CacheConfig:
             "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache",
         )
         _check(self.prefetch_threshold >= self.page_size, "--storage-prefetch-threshold must be at least a page")
+        _check(
+            bool(self.mooncake_master) == bool(self.mooncake_metadata_url),
+            "give --mooncake-master and --mooncake-metadata-url together (or neither, to start a master)",
+        )
         if self.enable_hierarchical_cache and self.hicache_size_gb == 0:
             _check(
                 self.hicache_ratio > 1,

@@ -25,7 +25,7 @@ import torch
 from .config import CacheConfig
 from .memory import HostKVPool, PageAllocator
 from .radix import RadixTree, TreeNode, page_hashes
-from .storage import FileStorage
+from .storage import FileStorage, MooncakeStorage
 from .sync import MAX, CacheSync
 
 STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
@@ -62,7 +62,7 @@ class StorageTier:
     def __init__(
         self,
         cfg: CacheConfig,
-        backend: FileStorage,
+        backend: FileStorage | MooncakeStorage,
         tree: RadixTree,
         host_pool: HostKVPool,
         host_alloc: PageAllocator,
@@ -181,6 +181,14 @@ class StorageTier:
         self.tree.release_host(op.anchor)
         self.tree.dec_lock_ref(op.anchor)
         self.stats.pages_prefetched += pages
+
+    def summary(self) -> dict:
+        return {
+            "prefetches": self.stats.prefetches,
+            "revoked": self.stats.revoked,
+            "pages_prefetched": self.stats.pages_prefetched,
+            "pages_backed_up": self.stats.pages_backed_up,
+        }
 
     # -- time --------------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ instead of waiting for collective timeouts, and the summary names the rank that 
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import multiprocessing
@@ -33,7 +34,7 @@ from .parallel import Groups, RankLayout, build_groups, get_attn_cp_rank_and_siz
 from .pipeline import StageLoop
 from .report import format_table, round_rows, summarize, write_requests
 from .scheduler import Scheduler
-from .storage import FileStorage, storage_suffix
+from .storage import FileStorage, MooncakeStorage, start_mooncake_master, storage_suffix
 from .sync import CacheSync
 from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
@@ -67,9 +68,14 @@ def build_storage_tier(cfg: RunConfig, groups: Groups, layers: range, cache: HiR
     suffix = storage_suffix(
         cfg.model.seed, layout.tp_rank, layout.tp, layers, None if "storage_keys" in fixes else cp_rank
     )
-    backend = FileStorage(directory, suffix)
-    if not cfg.cache.storage_dir and cp_rank == 0:  # a run-local store starts empty (one writer per key set)
-        backend.clear()
+    c = cfg.cache
+    if c.storage_backend == "mooncake":
+        page_bytes = 4 * torch.Size(cache.controller.host_pool.page_shape(c.page_size)).numel()
+        backend = MooncakeStorage(c.mooncake_master, c.mooncake_metadata_url, suffix, page_bytes)
+    else:
+        backend = FileStorage(directory, suffix)
+        if not c.storage_dir and cp_rank == 0:  # a run-local store starts empty (one writer per key set)
+            backend.clear()
     controller = cache.controller
     return StorageTier(
         cfg.cache,
@@ -111,7 +117,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     cache = HiRadixCache(c, device_alloc, sync, controller)
-    if c.storage_backend == "file":
+    if c.storage_backend != "none":
         cache.storage = build_storage_tier(cfg, groups, layers, cache, Path(c.storage_dir or out_dir / "storage"))
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
     feeder = Feeder(MultiTurnWorkload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
@@ -151,6 +157,10 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
     if loop is not None:
         loop.trace.close()
         loop.scheduler.engine.close()
+        storage = loop.scheduler.cache.storage
+        if storage is not None:
+            result["storage"] = {**storage.summary(), **storage.backend.stats}
+            storage.backend.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
         if rank == 0:
@@ -208,6 +218,20 @@ def spawn_world(cfg: RunConfig, out_dir: Path) -> None:
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
     """Run the workload on the whole world; returns (and writes) the merged summary."""
     started = time.perf_counter()
+    master = None
+    if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
+        master, address, url = start_mooncake_master()
+        cache = dataclasses.replace(cfg.cache, mooncake_master=address, mooncake_metadata_url=url)
+        cfg = dataclasses.replace(cfg, cache=cache)
+    try:
+        return _run_world(cfg, out_dir, verbose, started)
+    finally:
+        if master is not None:
+            master.terminate()
+            master.wait()
+
+
+def _run_world(cfg: RunConfig, out_dir: Path | None, verbose: bool, started: float) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(out_dir) if out_dir is not None else Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
@@ -228,6 +252,8 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.parallel.world_size:
         raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
+    if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
+        raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").unlink(missing_ok=True)  # rank 0 counts these to know when all are done
     started = time.perf_counter()

@@ -22,7 +22,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
+import subprocess
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -81,6 +84,9 @@ class FileStorage:
         for path in self.directory.glob(f"*_{self.suffix}.bin"):
             path.unlink(missing_ok=True)
 
+    def close(self) -> None:
+        pass
+
     def _write(self, path: Path, data: torch.Tensor) -> None:
         payload = data.contiguous().numpy().tobytes()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
@@ -105,3 +111,127 @@ class FileStorage:
             self.stats["corrupted"] += 1
             return None
         return torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape)
+
+
+class MooncakeStorage:
+    """Mooncake's distributed KV store, the L3 that SGLang users run (`mooncake-transfer-engine-non-cuda`;
+    its import needs the system library `libibverbs1`). Pages travel zero-copy through one registered
+    staging buffer with the store's batch calls. Mooncake clients listen on every interface, so the lab runs
+    them inside a loopback-only network namespace (see tests/test_mooncake_storage.py)."""
+
+    def __init__(self, master: str, metadata_url: str, suffix: str, page_bytes: int, batch_pages: int = 128):
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            raise RuntimeError(
+                "--hicache-storage-backend mooncake needs `pip install mooncake-transfer-engine-non-cuda` "
+                f"and the system library libibverbs1 (apt-get install libibverbs1): {exc}"
+            ) from exc
+        self.store = MooncakeDistributedStore()
+        segment = 2 * page_bytes * batch_pages
+        if self.store.setup("127.0.0.1", metadata_url, 64 * segment, segment, "tcp", "", master) != 0:
+            raise RuntimeError(f"could not join the Mooncake store at master {master}: is mooncake_master running?")
+        self.suffix, self.page_bytes, self.batch_pages = suffix, page_bytes, batch_pages
+        self.staging = torch.zeros(batch_pages * page_bytes // 4)
+        if self.store.register_buffer(self.staging.data_ptr(), self.staging.numel() * 4) != 0:
+            raise RuntimeError("Mooncake refused to register the staging buffer")
+        self.stats: Counter[str] = Counter()
+
+    def _keys(self, hashes: list[str]) -> list[str]:
+        return [f"{h}_{self.suffix}" for h in hashes]
+
+    def _addresses(self, count: int) -> tuple[list[int], list[int]]:
+        base = self.staging.data_ptr()
+        return [base + i * self.page_bytes for i in range(count)], [self.page_bytes] * count
+
+    def batch_exists(self, hashes: list[str]) -> int:
+        count = 0
+        for present in self.store.batch_is_exist(self._keys(hashes)):
+            if present != 1:
+                break
+            count += 1
+        return count
+
+    def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
+        done = 0
+        for start in range(0, len(hashes), self.batch_pages):
+            chunk = slice(start, start + self.batch_pages)
+            keys, slots = self._keys(hashes[chunk]), page_slots[chunk]
+            sizes = self.store.batch_get_into(keys, *self._addresses(len(keys)))
+            for i, (size, page) in enumerate(zip(sizes, slots, strict=True)):
+                if size != self.page_bytes:
+                    self.stats["read_misses"] += 1
+                    return done
+                rows = self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
+                host.set_page_data(page, rows.view(host.page_shape(len(page))))
+                done += 1
+                self.stats["pages_read"] += 1
+        return done
+
+    def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
+        done = 0
+        for start in range(0, len(hashes), self.batch_pages):
+            chunk = slice(start, start + self.batch_pages)
+            keys, slots = self._keys(hashes[chunk]), page_slots[chunk]
+            for i, page in enumerate(slots):
+                rows = self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
+                rows.copy_(host.page_data(page).flatten())
+            results = self.store.batch_put_from(keys, *self._addresses(len(keys)))
+            ok = next((i for i, rc in enumerate(results) if rc != 0), len(results))
+            done += ok
+            self.stats["pages_written"] += ok
+            if ok < len(results):
+                log.warning("Mooncake put failed (rc %s): the page is not stored", results[ok])
+                self.stats["write_failures"] += 1
+                return done
+        return done
+
+    def clear(self) -> None:
+        self.store.remove_by_regex(f".*_{self.suffix}$")
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:
+    """Start `mooncake_master` on 127.0.0.1 with its HTTP metadata server; returns (process, master address,
+    metadata URL). The caller stops it."""
+    import mooncake  # optional dependency: imported only when asked for
+
+    binary = Path(mooncake.__file__).parent / "mooncake_master"
+    rpc, http, metrics = _free_ports(3)
+    process = subprocess.Popen(
+        [
+            str(binary),
+            f"--port={rpc}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={http}",
+            "--metrics_host=127.0.0.1",
+            f"--metrics_port={metrics}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while not _listening(rpc) and time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"mooncake_master exited with code {process.returncode}")
+        time.sleep(0.1)
+    return process, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
