@@ -3,20 +3,25 @@
 * **Backup** - once a node's host write is acknowledged, its pages go to storage. The host copy is protected
   (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. CP
   peers hold identical KV, so page i is written by CP rank i mod cp only; the others skip it.
-* **Prefetch** - when a request arrives, the part of its prompt beyond what the tree holds is looked up in
-  storage: the hit count (leading pages present) is agreed by MIN, and below the threshold the prefetch is
-  revoked. Otherwise host slots are reserved, the anchor node is protected, and pages are read in batches of
-  128, in order.
-  `check_prefetch_progress` (when the request is scheduled) agrees whether to stop waiting (MAX of "not
-  ready") and how many pages arrived (MIN), inserts those as host-only nodes and frees the rest.
+* **Prefetch** - when a request arrives, host slots are reserved for the part of its prompt the tree does
+  not hold and the anchor node is protected. The prefetch worker asks storage how many leading pages it
+  holds, agrees on the MIN with its peers over its own gloo groups (below the threshold: revoked), and reads
+  them in batches of 128. `check_prefetch_progress` (when the request is scheduled, on the scheduler's own
+  groups) agrees whether to stop waiting (MAX of "not ready") and how many pages arrived (MIN), inserts
+  those as host-only nodes and frees the rest.
 
-Storage work is step-driven: each batch read or backup completes a seeded number of steps after it was issued
-(drawn per rank, like virtual copies), and really moves bytes through the backend when it completes; so runs
-are deterministic and ranks see different progress, which is what the agreements are for.
+Two ways to run the workers, chosen by the latency model:
+
+* `virtual` - step-driven, deterministic: the hit query runs when the prefetch is issued; every batch read
+  and backup completes a seeded number of steps later (drawn per rank), really moving bytes then.
+* `real` - a backup thread and a prefetch thread, as in SGLang; the prefetch thread runs the hit-count
+  agreement on its own groups, which is the point of the CP fix's `_create_prefetch_sync_groups`.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -34,19 +39,25 @@ STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 @dataclass(eq=False)
 class BackupOp:
     node: TreeNode
-    due: int
+    hashes: list[str]  # captured at issue: a later split of the node must not change what is written
+    pages: list[torch.Tensor]
+    due: int = 0  # virtual: the step it completes
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(eq=False)
 class PrefetchOp:
     anchor: TreeNode  # the deepest matched node: fetched pages hang below it
-    tokens: tuple[int, ...]  # the prompt tokens beyond the anchor that storage holds
+    tokens: tuple[int, ...]  # page-aligned prompt tokens beyond the anchor
     hashes: list[str]
     host_slots: torch.Tensor
     created: int
-    due: list[int]  # per batch of STORAGE_BATCH_PAGES pages: the step its read completes (non-decreasing)
+    hits: int | None = None  # agreed leading pages in storage (0: revoked); None until the query ran
+    due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read completes
     arrived: int = 0  # leading pages read into host slots
     failed: bool = False  # a page could not be read: no more arrive
+    terminated: bool = False  # the scheduler took what arrived: the worker must not write any more
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -80,9 +91,30 @@ class StorageTier:
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
         self.prefetches: dict[int, PrefetchOp] = {}  # by request id
         self.stats = StorageStats()
+        self.error: BaseException | None = None  # from a worker thread, raised on the scheduler's next call
+        self.threads: list[threading.Thread] = []
+        if cfg.latency == "real":
+            self.queues = {"backup": queue.Queue(), "prefetch": queue.Queue()}
+            for name, work in (("backup", self._write), ("prefetch", self._fetch)):
+                thread = threading.Thread(target=self._worker, args=(self.queues[name], work), daemon=True)
+                thread.start()
+                self.threads.append(thread)
 
-    def _pages(self, slots: torch.Tensor) -> list[torch.Tensor]:
-        return list(slots.split(self.cfg.page_size))
+    @property
+    def threaded(self) -> bool:
+        return bool(self.threads)
+
+    def _worker(self, jobs: queue.Queue, work) -> None:
+        while (op := jobs.get()) is not None:
+            try:
+                work(op)
+            except BaseException as exc:  # surfaced to the scheduler thread by _check_worker
+                self.error = exc
+                return
+
+    def _check_worker(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"a storage worker failed: {self.error}") from self.error
 
     def _due(self, previous: int) -> int:
         return max(previous, self.step + int(self.rng.integers(0, self.cfg.max_copy_delay_steps + 1)))
@@ -92,80 +124,113 @@ class StorageTier:
     def backup(self, node: TreeNode) -> None:
         """Queue `node`'s pages for storage; its host copy stays protected until the ack is consumed."""
         self.tree.protect_host(node)
-        self.backups.append(BackupOp(node, self._due(self.backups[-1].due if self.backups else 0)))
+        pages = list(node.host_value.split(self.cfg.page_size))
+        op = BackupOp(node, list(node.hashes), pages)
+        self.backups.append(op)
+        if self.threaded:
+            self.queues["backup"].put(op)
+        else:
+            op.due = self._due(self.backups[-2].due if len(self.backups) > 1 else 0)
 
     def _write(self, op: BackupOp) -> None:
-        pages = self._pages(op.node.host_value)
-        mine = [i for i in range(len(pages)) if i % self.cp_size == self.cp_rank]
-        written = self.backend.batch_set([op.node.hashes[i] for i in mine], self.host_pool, [pages[i] for i in mine])
+        mine = range(self.cp_rank, len(op.pages), self.cp_size)
+        written = self.backend.batch_set([op.hashes[i] for i in mine], self.host_pool, [op.pages[i] for i in mine])
         self.stats.pages_backed_up += written
-        op.due = -1  # done
+        op.done.set()
 
     def drain_backups(self) -> int:
         """Consume the agreed number of finished backups (waiting for this rank's own where needed)."""
+        self._check_worker()
         done = 0
-        while done < len(self.backups) and self.backups[done].due < 0:
+        while done < len(self.backups) and self.backups[done].done.is_set():
             done += 1
         count = self.sync.agree_ack_count(done if self.sync.polls_locally() else 0, "backup")
         for _ in range(count):
-            op = self.backups.pop(0)
-            if op.due >= 0:
-                self._write(op)
-            self.tree.release_host(op.node)
+            self._complete_backup(self.backups.pop(0))
         return count
+
+    def _complete_backup(self, op: BackupOp) -> None:
+        if not op.done.is_set():
+            if self.threaded:
+                op.done.wait()
+            else:
+                self._write(op)
+        self.tree.release_host(op.node)
 
     # -- prefetch ----------------------------------------------------------------------------------
 
     def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...], make_room) -> None:
-        """Start fetching `tokens` (page-aligned, following `anchor`) if storage holds enough of them."""
-        ps = self.cfg.page_size
-        hashes = page_hashes(tokens, ps, anchor.hashes[-1] if anchor.hashes else "")
-        local_hits = self.backend.batch_exists(hashes)
-        (hits,) = self.sync.agree_storage([local_hits])
-        if hits * ps < self.cfg.prefetch_threshold:
-            self.stats.revoked += 1
-            return
-        slots = self.host_alloc.alloc(hits * ps)
+        """Start fetching `tokens` (page-aligned, following `anchor`): reserve host slots, protect the anchor,
+        hand the rest to the prefetch worker."""
+        slots = self.host_alloc.alloc(len(tokens))
         if slots is None:
-            make_room(hits * ps)
-            slots = self.host_alloc.alloc(hits * ps)
+            make_room(len(tokens))
+            slots = self.host_alloc.alloc(len(tokens))
         if slots is None:
-            self.stats.revoked += 1
             return
         self.tree.protect_host(anchor)
         self.tree.inc_lock_ref(anchor)
-        due, previous = [], 0
-        for _ in range(0, hits, STORAGE_BATCH_PAGES):
-            previous = self._due(previous)
-            due.append(previous)
-        self.prefetches[rid] = PrefetchOp(anchor, tokens[: hits * ps], hashes[:hits], slots, self.step, due)
+        hashes = page_hashes(tokens, self.cfg.page_size, anchor.hashes[-1] if anchor.hashes else "")
+        op = PrefetchOp(anchor, tokens, hashes, slots, self.step)
+        self.prefetches[rid] = op
         self.stats.prefetches += 1
+        if self.threaded:
+            self.queues["prefetch"].put(op)
+            return
+        self._query(op)
+        previous = 0
+        for _ in range(0, op.hits, STORAGE_BATCH_PAGES):
+            previous = self._due(previous)
+            op.due.append(previous)
 
-    def _read_due(self, op: PrefetchOp) -> None:
-        pages = self._pages(op.host_slots)
-        while not op.failed and op.arrived < len(pages) and op.due[op.arrived // STORAGE_BATCH_PAGES] <= self.step:
-            batch = slice(op.arrived, op.arrived + STORAGE_BATCH_PAGES)
+    def _query(self, op: PrefetchOp) -> None:
+        """How many leading pages storage holds, agreed (MIN) over the prefetch groups; too few: revoked."""
+        (hits,) = self.sync.agree_storage([self.backend.batch_exists(op.hashes)])
+        if hits * self.cfg.page_size < self.cfg.prefetch_threshold:
+            hits = 0
+            self.stats.revoked += 1
+        op.hits = hits
+
+    def _fetch(self, op: PrefetchOp) -> None:
+        """The prefetch thread: query, then read batch after batch until done or terminated."""
+        self._query(op)
+        while op.arrived < op.hits and not op.failed:
+            if not self._read_batch(op):
+                return
+
+    def _read_batch(self, op: PrefetchOp) -> bool:
+        """Read the next batch into its host slots, unless the scheduler has already ended the prefetch."""
+        pages = list(op.host_slots.split(self.cfg.page_size))
+        batch = slice(op.arrived, min(op.arrived + STORAGE_BATCH_PAGES, op.hits))
+        with op.lock:
+            if op.terminated:  # its host slots may be freed already
+                return False
             read = self.backend.batch_get(op.hashes[batch], self.host_pool, pages[batch])
             op.arrived += read
-            op.failed = read < len(pages[batch])  # a missing or damaged page ends the prefetch there
+            op.failed = read < batch.stop - batch.start  # a missing or damaged page ends the prefetch there
+        return True
 
     def check_prefetch_progress(self, rid: int) -> bool:
         """Whether request `rid` may be scheduled: True once its prefetch (if any) has ended and the pages
         every rank holds are in the tree as host-only nodes."""
+        self._check_worker()
         op = self.prefetches.get(rid)
         if op is None:
             return True
-        complete = op.failed or op.arrived == len(op.hashes)
+        complete = op.hits is not None and (op.failed or op.arrived >= op.hits)
         if self.cfg.prefetch_policy == "best_effort":
             ready = True
         elif self.cfg.prefetch_policy == "wait_complete":
             ready = complete
         else:
             ready = complete or self.step - op.created >= self.cfg.prefetch_timeout_steps
-        (not_ready,) = self.sync.agree_storage([int(not ready)], MAX)
+        (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
         if not_ready:
             return False
-        (pages,) = self.sync.agree_storage([op.arrived])
+        with op.lock:
+            op.terminated = True
+            arrived = op.arrived
+        (pages,) = self.sync.agree_prefetch_progress([arrived])
         del self.prefetches[rid]
         self._insert(op, pages)
         self.stats.per_request[rid] = pages * self.cfg.page_size
@@ -183,29 +248,38 @@ class StorageTier:
         self.stats.pages_prefetched += pages
 
     def summary(self) -> dict:
+        s = self.stats
         return {
-            "prefetches": self.stats.prefetches,
-            "revoked": self.stats.revoked,
-            "pages_prefetched": self.stats.pages_prefetched,
-            "pages_backed_up": self.stats.pages_backed_up,
+            "prefetches": s.prefetches,
+            "revoked": s.revoked,
+            "pages_prefetched": s.pages_prefetched,
+            "pages_backed_up": s.pages_backed_up,
         }
 
     # -- time --------------------------------------------------------------------------------------
 
     def advance(self, step: int) -> None:
-        """Complete every storage read and write due by `step`."""
+        """Virtual latency: complete every storage read and write due by `step`."""
         self.step = step
+        if self.threaded:
+            return
         for op in self.backups:
-            if 0 <= op.due <= step:
+            if not op.done.is_set() and op.due <= step:
                 self._write(op)
         for op in self.prefetches.values():
-            self._read_due(op)
+            while op.arrived < op.hits and not op.failed and op.due[op.arrived // STORAGE_BATCH_PAGES] <= step:
+                self._read_batch(op)
 
     def finish_all(self) -> None:
         """Between rounds (no request waiting): complete and release every backup."""
         assert not self.prefetches, "prefetches outlive their requests"
-        for op in self.backups:
-            if op.due >= 0:
-                self._write(op)
-            self.tree.release_host(op.node)
-        self.backups = []
+        while self.backups:
+            self._complete_backup(self.backups.pop(0))
+
+    def close(self) -> None:
+        if self.threaded:
+            for jobs in self.queues.values():
+                jobs.put(None)
+            for thread in self.threads:
+                thread.join()
+        self.backend.close()

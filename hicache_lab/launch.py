@@ -160,7 +160,7 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
         storage = loop.scheduler.cache.storage
         if storage is not None:
             result["storage"] = {**storage.summary(), **storage.backend.stats}
-            storage.backend.close()
+            storage.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
         if rank == 0:

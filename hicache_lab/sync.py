@@ -44,7 +44,8 @@ class CacheSync:
         self.mode, self.groups, self.fixes = mode, groups, fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
-        self.prefetch_sync_groups: list = []
+        self.prefetch_sync_groups: list = []  # used by the prefetch worker only
+        self.prefetch_progress_groups: list = []  # used by the scheduler only
         if storage:
             self._create_prefetch_sync_groups()
 
@@ -104,36 +105,43 @@ class CacheSync:
 
     def _create_prefetch_sync_groups(self) -> None:
         """The storage path's own gloo groups, built from the attention-CP, attention-TP and PP groups (without
-        the CP fix: attention-TP alone), size-1 groups skipped and identical rank sets made once. Collective:
-        every rank creates every group, in the same order."""
+        the CP fix: attention-TP alone), size-1 groups skipped and identical rank sets made once. Two sets, one
+        per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts, and the scheduler's
+        prefetch progress. Collective: every rank creates every group, in the same order."""
         kinds = ("attn_cp", "attn_tp", "pp") if "prefetch_groups" in self.fixes else ("attn_tp",)
         rank_lists = self.groups.layout.group_rank_lists()
-        seen: set[tuple[int, ...]] = set()
-        for ranks in (tuple(r) for kind in kinds for r in rank_lists[kind]):
-            if len(ranks) == 1 or ranks in seen:
-                continue
-            seen.add(ranks)
-            group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
-            if self.groups.layout.rank in ranks:
-                self.prefetch_sync_groups.append(group)
-
-    def _all_reduce_prefetch_groups(self, data: torch.Tensor, op) -> None:
-        for group in self.prefetch_sync_groups:
-            dist.all_reduce(data, op=op, group=group)
+        unique = list(dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1))
+        for groups in (self.prefetch_sync_groups, self.prefetch_progress_groups):
+            for ranks in unique:
+                group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
+                if self.groups.layout.rank in ranks:
+                    groups.append(group)
 
     def _destroy_prefetch_sync_groups(self) -> None:
-        for group in self.prefetch_sync_groups:
+        for group in self.prefetch_sync_groups + self.prefetch_progress_groups:
             dist.destroy_process_group(group)
-        self.prefetch_sync_groups = []
+        self.prefetch_sync_groups, self.prefetch_progress_groups = [], []
 
-    def agree_storage(self, values: list[int], op=MIN) -> list[int]:
-        """Storage hit pages (MIN), prefetch not-ready flags (MAX) or completed pages (MIN), agreed by every
-        rank holding the same shard of data. Runs at the same point of the same iteration on every stage."""
+    @staticmethod
+    def _all_reduce_prefetch_groups(data: torch.Tensor, op, groups: list) -> None:
+        for group in groups:
+            dist.all_reduce(data, op=op, group=group)
+
+    def _agree(self, values: list[int], op, groups: list) -> list[int]:
         if self.mode == "off":
             return values
         data = torch.tensor(values, dtype=torch.int64)
-        self._all_reduce_prefetch_groups(data, op)
+        self._all_reduce_prefetch_groups(data, op, groups)
         return data.tolist()
+
+    def agree_storage(self, values: list[int], op=MIN) -> list[int]:
+        """Storage hit pages (MIN), on the prefetch worker's groups."""
+        return self._agree(values, op, self.prefetch_sync_groups)
+
+    def agree_prefetch_progress(self, values: list[int], op=MIN) -> list[int]:
+        """Prefetch "not ready" flags (MAX) or pages arrived (MIN), on the scheduler's prefetch groups. Runs at
+        the same point of the same iteration on every rank."""
+        return self._agree(values, op, self.prefetch_progress_groups)
 
     def _reap_completed_async_work(self) -> None:
         done = 0

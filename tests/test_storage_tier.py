@@ -60,3 +60,11 @@ def test_cp_rank_in_storage_keys_collapses_the_storage_hit_rate(world_config, tm
 def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
     summary = run(storage_world(world_config, tmp_path, cp=2, sync="legacy"), tmp_path, verbose=False)
     assert summary["diverged"]
+
+
+def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, tmp_path, single_rank_storage_hit):
+    cfg = storage_world(world_config, tmp_path, cp=2)
+    cfg.cache.latency = "real"  # a backup thread and a prefetch thread per rank, agreeing on their own groups
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
+    assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)  # wait_complete: all of it arrives
