@@ -64,6 +64,7 @@ class PrefetchOp:
 class StorageStats:
     prefetches: int = 0
     revoked: int = 0
+    rate_limited: int = 0
     pages_prefetched: int = 0
     pages_backed_up: int = 0
     per_request: dict[int, int] = field(default_factory=dict)  # rid -> tokens inserted from storage
@@ -91,6 +92,8 @@ class StorageTier:
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
         self.prefetches: dict[int, PrefetchOp] = {}  # by request id
         self.stats = StorageStats()
+        # SGLang's limit: prefetches in flight may hold at most 80% of what the host pool has beyond the device's
+        self.prefetch_capacity = int(0.8 * (host_alloc.size - cfg.max_total_tokens))
         self.error: BaseException | None = None  # from a worker thread, raised on the scheduler's next call
         self.threads: list[threading.Thread] = []
         if cfg.latency == "real":
@@ -161,7 +164,11 @@ class StorageTier:
 
     def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...], make_room) -> None:
         """Start fetching `tokens` (page-aligned, following `anchor`): reserve host slots, protect the anchor,
-        hand the rest to the prefetch worker."""
+        hand the rest to the prefetch worker. Skipped while prefetches in flight would exceed the rate limit."""
+        in_flight = sum(len(op.tokens) for op in self.prefetches.values())
+        if in_flight + len(tokens) > self.prefetch_capacity:
+            self.stats.rate_limited += 1
+            return
         slots = self.host_alloc.alloc(len(tokens))
         if slots is None:
             make_room(len(tokens))
@@ -252,6 +259,7 @@ class StorageTier:
         return {
             "prefetches": s.prefetches,
             "revoked": s.revoked,
+            "rate_limited": s.rate_limited,
             "pages_prefetched": s.pages_prefetched,
             "pages_backed_up": s.pages_backed_up,
         }
