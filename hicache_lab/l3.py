@@ -234,14 +234,24 @@ class StorageTier:
         (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
         if not_ready:
             return False
+        (pages,) = self.sync.agree_prefetch_progress([op.arrived])
+        self._wait_for_pages(op, pages)  # a later stage may hold fewer than stage 0 saw arrive
         with op.lock:
             op.terminated = True
-            arrived = op.arrived
-        (pages,) = self.sync.agree_prefetch_progress([arrived])
         del self.prefetches[rid]
         self._insert(op, pages)
         self.stats.per_request[rid] = pages * self.cfg.page_size
         return True
+
+    def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
+        while op.arrived < pages:
+            self._check_worker()
+            if op.failed or (op.hits is not None and op.hits < pages):
+                raise RuntimeError(f"{pages} prefetched pages were agreed, but only {op.arrived} can arrive here")
+            if self.threaded:
+                threading.Event().wait(0.001)
+            else:
+                self._read_batch(op)
 
     def _insert(self, op: PrefetchOp, pages: int) -> None:
         ps = self.cfg.page_size

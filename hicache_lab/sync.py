@@ -108,11 +108,15 @@ class CacheSync:
         the CP fix: attention-TP alone), size-1 groups skipped and identical rank sets made once. Two sets, one
         per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts, and the scheduler's
         prefetch progress. Collective: every rank creates every group, in the same order."""
-        kinds = ("attn_cp", "attn_tp", "pp") if "prefetch_groups" in self.fixes else ("attn_tp",)
+        attention = ("attn_cp", "attn_tp") if "prefetch_groups" in self.fixes else ("attn_tp",)
+        pipeline = ("pp",) if "pp_relay" in self.fixes else ()
         rank_lists = self.groups.layout.group_rank_lists()
-        unique = list(dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1))
-        for groups in (self.prefetch_sync_groups, self.prefetch_progress_groups):
-            for ranks in unique:
+        # the prefetch thread may agree across stages (it is off the pipeline); the scheduler relays instead
+        for groups, kinds in (
+            (self.prefetch_sync_groups, attention + pipeline),
+            (self.prefetch_progress_groups, attention),
+        ):
+            for ranks in dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1):
                 group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
                 if self.groups.layout.rank in ranks:
                     groups.append(group)
@@ -127,21 +131,28 @@ class CacheSync:
         for group in groups:
             dist.all_reduce(data, op=op, group=group)
 
-    def _agree(self, values: list[int], op, groups: list) -> list[int]:
+    def agree_storage(self, values: list[int], op=MIN) -> list[int]:
+        """Storage hit pages (MIN) on the prefetch worker's groups, across stages too (a background thread is
+        not held by the pipeline)."""
         if self.mode == "off":
             return values
         data = torch.tensor(values, dtype=torch.int64)
-        self._all_reduce_prefetch_groups(data, op, groups)
+        self._all_reduce_prefetch_groups(data, op, self.prefetch_sync_groups)
         return data.tolist()
 
-    def agree_storage(self, values: list[int], op=MIN) -> list[int]:
-        """Storage hit pages (MIN), on the prefetch worker's groups."""
-        return self._agree(values, op, self.prefetch_sync_groups)
-
     def agree_prefetch_progress(self, values: list[int], op=MIN) -> list[int]:
-        """Prefetch "not ready" flags (MAX) or pages arrived (MIN), on the scheduler's prefetch groups. Runs at
-        the same point of the same iteration on every rank."""
-        return self._agree(values, op, self.prefetch_progress_groups)
+        """Prefetch "not ready" (MAX) or pages arrived (MIN), in the scheduler loop: like the ack counts, PP rank
+        0 agrees with its attention peers and relays the result; later stages wait for their own pages."""
+        if self.mode == "off":
+            return values
+        data = torch.tensor(values, dtype=torch.int64)
+        if "pp_relay" in self.fixes and self.pp_rank > 0:
+            self._pp_sync(data)
+        else:
+            self._all_reduce_prefetch_groups(data, op, self.prefetch_progress_groups)
+            if "pp_relay" in self.fixes:
+                self._pp_sync(data)
+        return data.tolist()
 
     def _reap_completed_async_work(self) -> None:
         done = 0
