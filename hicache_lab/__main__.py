@@ -32,6 +32,7 @@ FLAGS = [
     ("--num-layers", "model", "num_layers", int, "transformer layers"),
     ("--hidden-size", "model", "hidden_size", int, "model width"),
     ("--num-heads", "model", "num_heads", int, "attention heads (also KV heads)"),
+    ("--mlp-size", "model", "mlp_size", int, "MLP width"),
     ("--vocab-size", "model", "vocab_size", int, "vocabulary size"),
     ("--model-seed", "model", "seed", int, "seed of the model weights"),
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),

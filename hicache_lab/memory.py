@@ -68,12 +68,14 @@ def copy_rows(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_i
 
 
 class DeviceKVPool:
-    def __init__(self, size: int, num_layers: int, num_heads: int, head_dim: int, device: str):
+    def __init__(
+        self, size: int, num_layers: int, num_heads: int, head_dim: int, device: str, dtype=torch.float32
+    ):
         shape = (size, num_heads, head_dim)
-        self.size, self.num_layers, self.device = size, num_layers, torch.device(device)
-        self.k = [torch.zeros(shape, device=self.device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=self.device) for _ in range(num_layers)]
-        self.bytes_per_token = 2 * num_layers * num_heads * head_dim * 4
+        self.size, self.num_layers, self.device, self.dtype = size, num_layers, torch.device(device), dtype
+        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(num_layers)]
+        self.bytes_per_token = 2 * num_layers * num_heads * head_dim * dtype.itemsize
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
@@ -91,7 +93,7 @@ class HostKVPool:
         n, h, d = device_pool.num_layers, first.shape[1], first.shape[2]
         shape = (2, n, size, h, d) if layout == "layer_first" else (2, size, n, h, d)
         pin = device_pool.device.type == "cuda"
-        self.kv = torch.zeros(shape, pin_memory=pin)
+        self.kv = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=pin)
         self.size, self.layout, self.num_layers = size, layout, n
         self.bytes_per_token = device_pool.bytes_per_token
 
