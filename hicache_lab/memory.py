@@ -49,13 +49,11 @@ class PageAllocator:
 
 def _runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, int]]:
     """Split an index pair into (dst_start, src_start, length) runs that are contiguous on both sides."""
-    d, s = dst_idx.tolist(), src_idx.tolist()
-    runs, start = [], 0
-    for i in range(1, len(d) + 1):
-        if i == len(d) or d[i] != d[i - 1] + 1 or s[i] != s[i - 1] + 1:
-            runs.append((d[start], s[start], i - start))
-            start = i
-    return runs
+    dst_idx, src_idx = dst_idx.cpu(), src_idx.cpu()
+    breaks = ((dst_idx.diff() != 1) | (src_idx.diff() != 1)).nonzero().flatten() + 1
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+    lengths = torch.cat([breaks, torch.tensor([len(dst_idx)])]) - starts
+    return list(zip(dst_idx[starts].tolist(), src_idx[starts].tolist(), lengths.tolist(), strict=True))
 
 
 def copy_rows(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
