@@ -10,7 +10,8 @@ is `HiRadixCache`:
 * `evict_host` - host LRU over unprotected host-only leaves; they leave the tree.
 * `load_back` - a prefix held only on the host is copied back, all or nothing, if it is at least
   `load_back_threshold` tokens; it stays locked until its load ack is consumed.
-* `writing_check` / `loading_check` - consume the leading run of finished acks, as many as the ranks agree on.
+* `check_hicache_events` - agree (one collective) how many of the leading finished acks every rank consumes;
+  `writing_check` / `loading_check` consume them.
 """
 
 from __future__ import annotations
@@ -115,11 +116,6 @@ class HiRadixCache:
             count += 1
         return count
 
-    def _agreed_count(self, queue, name: str) -> int:
-        self.ready[name] = self._leading_finished(queue)  # observed on every rank, for the trace
-        local = self.ready[name] if self.sync.polls_locally() else 0
-        return self.sync.agree_ack_count(local, name)
-
     def _consume_acks(self, queue: list, name: str, ongoing: dict[int, TreeNode], count: int) -> list[TreeNode]:
         nodes = []
         for _ in range(count):  # more than this rank holds fails as SGLang did: "pop from empty list"
@@ -131,22 +127,16 @@ class HiRadixCache:
                 self.tree.dec_lock_ref(nodes[-1])
         return nodes
 
-    def writing_check(self, everything: bool = False) -> int:
-        """Consume the agreed number of write acks (or all of them): their nodes become unlocked (and evictable
-        to host-only) and, with a storage tier, are backed up to it."""
-        queue = self.controller.ack_write_queue
-        count = len(queue) if everything else self._agreed_count(queue, "write")
-        for node in self._consume_acks(queue, "write", self.ongoing_write_through, count):
+    def writing_check(self, count: int) -> None:
+        """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and, with a
+        storage tier, are backed up to it."""
+        for node in self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through, count):
             if self.storage is not None:
                 self.storage.backup(node)
-        return count
 
-    def loading_check(self, everything: bool = False) -> int:
-        """Consume the agreed number of load acks (or all of them): loaded nodes lose the lock their load held."""
-        queue = self.controller.ack_load_queue
-        count = len(queue) if everything else self._agreed_count(queue, "load")
-        self._consume_acks(queue, "load", self.ongoing_load_back, count)
-        return count
+    def loading_check(self, count: int) -> None:
+        """Consume `count` load acks: loaded nodes lose the lock their load held."""
+        self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back, count)
 
     def copies_in_flight(self) -> bool:
         """Unconsumed acks hold locks and prefetches hold requests back: until they end, a stalled schedule
@@ -157,13 +147,25 @@ class HiRadixCache:
         return storage_busy or bool(self.controller.ack_write_queue or self.controller.ack_load_queue)
 
     def check_hicache_events(self) -> tuple[int, int]:
-        """Start of every step: (write acks, load acks) consumed; finished storage backups released."""
+        """Start of every step: how many write acks, load acks (and storage backups) every rank consumes, agreed
+        in one collective; then consume them. Returns (write, load) consumed."""
         if not self.enabled:
             return 0, 0
-        consumed = self.writing_check(), self.loading_check()
+        self.ready = {
+            "write": self._leading_finished(self.controller.ack_write_queue),
+            "load": self._leading_finished(self.controller.ack_load_queue),
+        }
+        local = dict(self.ready)
         if self.storage is not None:
-            self.storage.drain_backups()
-        return consumed
+            local["backup"] = self.storage.backups_done()
+        if not self.sync.polls_locally():
+            local = dict.fromkeys(local, 0)
+        agreed = self.sync.agree_ack_counts(local)
+        self.writing_check(agreed["write"])
+        self.loading_check(agreed["load"])
+        if self.storage is not None:
+            self.storage.release_backups(agreed["backup"])
+        return agreed["write"], agreed["load"]
 
     def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
         """A request arrived: fetch from storage what of its prompt the tree does not hold (if worth it)."""
@@ -179,8 +181,8 @@ class HiRadixCache:
         """Drop every cached prefix from device and host (between rounds, nothing running): later hits must
         come from storage. Copies in flight are finished and consumed first, alike on every rank."""
         if self.enabled:
-            self.writing_check(everything=True)
-            self.loading_check(everything=True)
+            self.writing_check(len(self.controller.ack_write_queue))
+            self.loading_check(len(self.controller.ack_load_queue))
         if self.storage is not None:
             self.storage.finish_all()
         for node in list(self.tree.nodes()):

@@ -141,16 +141,18 @@ class StorageTier:
         self.stats.pages_backed_up += written
         op.done.set()
 
-    def drain_backups(self) -> int:
-        """Consume the agreed number of finished backups (waiting for this rank's own where needed)."""
+    def backups_done(self) -> int:
+        """Finished backups at the head of the queue (this rank's own view)."""
         self._check_worker()
         done = 0
         while done < len(self.backups) and self.backups[done].done.is_set():
             done += 1
-        count = self.sync.agree_ack_count(done if self.sync.polls_locally() else 0, "backup")
+        return done
+
+    def release_backups(self, count: int) -> None:
+        """Consume the agreed number of backups (waiting for this rank's own where needed)."""
         for _ in range(count):
             self._complete_backup(self.backups.pop(0))
-        return count
 
     def _complete_backup(self, op: BackupOp) -> None:
         if not op.done.is_set():

@@ -66,9 +66,7 @@ def copy_rows(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_i
 
 
 class DeviceKVPool:
-    def __init__(
-        self, size: int, num_layers: int, num_heads: int, head_dim: int, device: str, dtype=torch.float32
-    ):
+    def __init__(self, size: int, num_layers: int, num_heads: int, head_dim: int, device: str, dtype=torch.float32):
         shape = (size, num_heads, head_dim)
         self.size, self.num_layers, self.device, self.dtype = size, num_layers, torch.device(device), dtype
         self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(num_layers)]

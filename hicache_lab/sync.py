@@ -166,13 +166,16 @@ class CacheSync:
         """Whether this rank's own event polls feed the agreement (with the PP fix: PP rank 0 only)."""
         return "pp_relay" not in self.fixes or self.pp_rank == 0
 
-    def agree_ack_count(self, local: int, queue: str) -> int:
-        """How many leading acks of `queue` ('write' or 'load') every rank consumes this step."""
-        if self.mode == "off" or (queue == "load" and "agree_loads" not in self.fixes):
-            return local
-        count = torch.tensor([local], dtype=torch.int64)
-        if "pp_relay" in self.fixes:
-            self._all_reduce(count, MIN)
-        else:
-            self._all_reduce_attn_groups(count, MIN)
-        return int(count.item())
+    def agree_ack_counts(self, local: dict[str, int]) -> dict[str, int]:
+        """How many leading acks of each queue ('write', 'load', 'backup') every rank consumes this step, in one
+        collective (SGLang batched its write and load counts: +37% input throughput, #33473)."""
+        names = [q for q in local if self.mode != "off" and (q != "load" or "agree_loads" in self.fixes)]
+        agreed = dict(local)
+        if names:
+            data = torch.tensor([local[q] for q in names], dtype=torch.int64)
+            if "pp_relay" in self.fixes:
+                self._all_reduce(data, MIN)
+            else:
+                self._all_reduce_attn_groups(data, MIN)
+            agreed.update(zip(names, data.tolist(), strict=True))
+        return agreed
