@@ -1,0 +1,451 @@
+"""What the cache's cross-rank agreement costs: whole scheduler steps by sync mode, then the primitives alone.
+
+All on CPU with gloo, every number a ratio of two things measured in the same run (nothing here passes or
+fails). Three parts:
+
+1. Scheduler step time by sync mode. The default demo model and workload (`RunConfig()`, L1 + L2, `--pp 2`,
+   `--latency virtual`) run once per mode (`--sync off`, `legacy`, `fixed`); each rank's step times come from
+   its trace (`ms` = schedule + forward of one step, hicache_lab/pipeline.py). `off` and `legacy` diverge and
+   may crash, so every mode is averaged over the same steps: per rank, the first N steps where N is the
+   shortest run's step count (a crashed run's last, aborted step dropped). Virtual latency makes the three
+   runs schedule identical batches until the first divergence; the mean over those identical-batch steps is
+   printed too. Repeated `--repeats` times (mode order rotated each repeat); the tables show the median of the
+   per-run means and the ratios fixed/legacy and fixed/off.
+2. The relay vs a barrier vs an all-reduce over the PP group, PP = 2, 3, 4 (`--pp-sizes`), in worlds spawned
+   here (gloo, TCPStore on 127.0.0.1). The relay is `CacheSync._pp_sync` verbatim: blocking `dist.recv` from
+   the previous stage, `dist.isend` of a clone to the next, handles kept and waited once at the end (the
+   once-a-round drain, timed apart). Each op runs `--calls` times after `--warmup` calls, in `--blocks`
+   interleaved blocks; the tables give the median block's microseconds per call on rank 0 (first stage) and
+   on the last rank.
+3. One combined [write, load] agreement vs two, over an attention group of 2 ranks (ranks 0 and 1 of the same
+   worlds; the other ranks wait): one `dist.all_reduce(MIN)` of a 2-element int64 tensor vs two of 1-element
+   tensors, each including building the tensor and reading it back, as `CacheSync.agree_ack_count` does.
+   SGLang batched its two (PR #33473) and measured +37% input throughput.
+
+Run (about 3 minutes on 2 cores with the defaults; every `python -m hicache_lab run` flag applies to part 1,
+except `--sync`, replaced by `--sync-modes`):
+
+    python -m bench.agreement_cost
+    python -m bench.agreement_cost --num-clients 8 --num-rounds 4 --repeats 5 --pp-sizes 2 4 --calls 5000
+
+How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective at
+all (it only lacks the relay): `legacy` and `off` run the same scheduler path, and fixed/legacy is the whole
+price of the relay (two per step: write and load acks). Step times include waiting for the previous stage, so
+the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never waits (isend only;
+its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last stage's number.
+A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither may appear in
+the scheduler loop (stages are not in lockstep: sync.py). Part 3: the ratio separate/combined is what
+batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed
+machine: compare ratios, not absolute microseconds, and read the per-repeat rows in the CSV for the spread.
+
+Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
+block of calls on one rank) and bench/results/agreement_cost.json (machine, arguments, medians and ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hicache_lab.__main__ import add_run_flags, config_from_args
+from hicache_lab.config import SYNC_MODES, RunConfig
+from hicache_lab.launch import run
+from hicache_lab.trace import read_trace
+
+RESULTS = Path(__file__).parent / "results"
+BATCH_FIELDS = ("kind", "requests", "extend_tokens", "prefix_tokens")  # equal in two runs: same batch
+PP_OPS = ("relay", "barrier", "all_reduce")
+ATTN_OPS = ("combined_1x2", "separate_2x1")
+MIN = dist.ReduceOp.MIN
+CSV_FIELDS = ["part", "pp", "variant", "rank", "repeat", "metric", "value", "unit", "n", "note"]
+
+
+# -- part 1: scheduler step time by sync mode -------------------------------------------------------------
+
+
+def _run_mode(base: RunConfig, sync: str) -> tuple[dict, list[dict]]:
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, sync=sync))
+    with tempfile.TemporaryDirectory() as scratch:
+        summary = run(cfg, Path(scratch), verbose=False)
+        rows = read_trace(Path(scratch))
+    return summary, rows
+
+
+def _steps_by_rank(rows: list[dict]) -> dict[int, list[dict]]:
+    by_rank: dict[int, list[dict]] = {}
+    for row in sorted(rows, key=lambda r: (r["rank"], r["step"])):
+        by_rank.setdefault(row["rank"], []).append(row)
+    return by_rank
+
+
+def _first_batch_difference(runs: list[list[dict]]) -> int:
+    """First step index at which the runs scheduled different batches (len of the shortest if never)."""
+    n = min(len(r) for r in runs)
+    for i in range(n):
+        if len({tuple(str(r[i][f]) for f in BATCH_FIELDS) for r in runs}) > 1:
+            return i
+    return n
+
+
+def measure_step_times(base: RunConfig, modes: list[str], repeats: int) -> tuple[list[dict], dict]:
+    """CSV rows (one per run, rank and window) and {rank or 'all': {window: {mode: [mean per repeat]}}}."""
+    rows, means = [], {}
+    for repeat in range(repeats):
+        order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]
+        results = {}
+        for sync in order:
+            started = time.perf_counter()
+            summary, trace = _run_mode(base, sync)
+            results[sync] = (summary, _steps_by_rank(trace))
+            status = "crashed" if summary["crashed"] else "completed"
+            div = summary["first_divergence"]
+            status += f", ranks diverged at step {div['step']} on {div['quantity']}" if div else ", ranks agree"
+            steps = {rank: len(s) for rank, s in results[sync][1].items()}
+            elapsed = time.perf_counter() - started
+            print(f"  repeat {repeat}, --sync {sync:6}: {status}; steps per rank {steps} ({elapsed:.1f} s)")
+        world = base.parallel.world_size
+        window_means: dict[str, dict[str, list[float]]] = {"common": {}, "same_batches": {}}
+        for rank in range(world):
+            usable = {}
+            for sync in modes:
+                summary, by_rank = results[sync]
+                steps = by_rank.get(rank, [])
+                usable[sync] = steps[:-1] if summary["crashed"] and steps else steps
+            n_common = min(len(s) for s in usable.values())
+            n_same = _first_batch_difference([usable[s] for s in modes])
+            for window, n in (("common", n_common), ("same_batches", n_same)):
+                for sync in modes:
+                    summary = results[sync][0]
+                    mean_ms = statistics.fmean(r["ms"] for r in usable[sync][:n]) if n else float("nan")
+                    means.setdefault(rank, {}).setdefault(window, {}).setdefault(sync, []).append(mean_ms)
+                    window_means[window].setdefault(sync, []).append(mean_ms)
+                    rows.append(
+                        {
+                            "part": "step_time",
+                            "pp": base.parallel.pp,
+                            "variant": f"sync={sync}",
+                            "rank": rank,
+                            "repeat": repeat,
+                            "metric": f"mean_step_ms_{window}",
+                            "value": mean_ms,
+                            "unit": "ms",
+                            "n": n,
+                            "note": f"steps in run {len(usable[sync])}; crashed={summary['crashed']}; "
+                            f"first_divergence_step={(summary['first_divergence'] or {}).get('step')}",
+                        }
+                    )
+        for window, per_mode in window_means.items():  # the mean over ranks of this repeat
+            for sync, values in per_mode.items():
+                means.setdefault("all", {}).setdefault(window, {}).setdefault(sync, []).append(statistics.fmean(values))
+    return rows, means
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def report_step_times(means: dict, rows: list[dict], modes: list[str], world: int) -> dict:
+    summary = {}
+    print("\nmedian over repeats of the mean scheduler step time (ms); ratios of those medians")
+    ratio_heads = [f"fixed/{m}" for m in modes if m != "fixed"] if "fixed" in modes else []
+    header = f"{'window':13} {'rank':>5} {'steps':>6} " + " ".join(f"{m:>8}" for m in modes)
+    print(header + " " + " ".join(f"{h:>13}" for h in ratio_heads))
+    for window in ("common", "same_batches"):
+        for rank in [*range(world), "all"]:
+            med = {m: statistics.median(means[rank][window][m]) for m in modes}
+            steps = [r["n"] for r in rows if r["metric"] == f"mean_step_ms_{window}" and rank in (r["rank"], "all")]
+            n = f"{min(steps)}" if steps else "-"
+            ratios = {h: _ratio(med["fixed"], med[h.split("/")[1]]) for h in ratio_heads}
+            label = "last" if rank == world - 1 else rank
+            cells = " ".join(f"{med[m]:8.3f}" for m in modes)
+            print(
+                f"{window:13} {label if rank != 'all' else 'mean':>5} {n:>6} {cells} "
+                + " ".join(f"{r:13.3f}" for r in ratios.values())
+            )
+            summary.setdefault(window, {})[str(rank)] = {"median_mean_step_ms": med, "ratios": ratios}
+    print("per-repeat ratios (window common; the spread between repeats bounds what the medians can resolve):")
+    for rank in [*range(world), "all"]:
+        label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
+        per_repeat = means[rank]["common"]
+        spread = {
+            h: [_ratio(f, o) for f, o in zip(per_repeat["fixed"], per_repeat[h.split("/")[1]], strict=True)]
+            for h in ratio_heads
+        }
+        print(f"  rank {label:>4}: " + "; ".join(f"{h} " + ", ".join(f"{r:.3f}" for r in v) for h, v in spread.items()))
+        summary["common"][str(rank)]["per_repeat_ratios"] = spread
+    print(
+        "  common: per rank, the first N steps all runs completed (N = the shortest run's count, a crashed run's "
+        "aborted last step dropped);\n  same_batches: the first steps in which all runs scheduled identical "
+        "batches (before the first divergence). 'mean': the mean over ranks. steps: the smallest N over repeats."
+    )
+    return summary
+
+
+# -- parts 2 and 3: the primitives in a spawned world ------------------------------------------------------
+
+
+def _relay(data: torch.Tensor, rank: int, size: int, group, calls: int) -> tuple[float, float]:
+    """`CacheSync._pp_sync` `calls` times, then the drain: (loop seconds, drain seconds)."""
+    works = []
+    start = time.perf_counter()
+    for _ in range(calls):
+        if rank > 0:
+            dist.recv(data, group_src=rank - 1, group=group, tag=2)
+        if rank + 1 < size:
+            works.append(dist.isend(data.clone(), group_dst=rank + 1, group=group, tag=2))
+    looped = time.perf_counter()
+    for work in works:
+        work.wait()
+    return looped - start, time.perf_counter() - looped
+
+
+def _time_pp_op(op: str, rank: int, size: int, group, calls: int) -> tuple[float, float]:
+    if op == "relay":
+        return _relay(torch.zeros(1, dtype=torch.int64), rank, size, group, calls)
+    start = time.perf_counter()
+    if op == "barrier":
+        for _ in range(calls):
+            dist.barrier(group=group)
+    else:
+        data = torch.ones(1, dtype=torch.int64)
+        for _ in range(calls):
+            dist.all_reduce(data, op=MIN, group=group)
+    return time.perf_counter() - start, 0.0
+
+
+def _time_attn_op(op: str, group, calls: int) -> float:
+    """Per step: build the ack tensor(s), agree (MIN), read back, as `CacheSync.agree_ack_count` does."""
+    write, load = 3, 1
+    start = time.perf_counter()
+    for _ in range(calls):
+        if op == "combined_1x2":
+            data = torch.tensor([write, load], dtype=torch.int64)
+            dist.all_reduce(data, op=MIN, group=group)
+            data.tolist()
+        else:
+            for local in (write, load):
+                data = torch.tensor([local], dtype=torch.int64)
+                dist.all_reduce(data, op=MIN, group=group)
+                int(data.item())
+    return time.perf_counter() - start
+
+
+def _world_main(rank: int, size: int, port: int, args: dict, out_dir: str) -> None:
+    torch.set_num_threads(1)  # as launch.run_rank: tiny tensors, shared cores
+    timeout = datetime.timedelta(seconds=args["timeout_s"])
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+    pp_group = dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
+    attn_size = min(2, size)
+    attn_group = dist.new_group(list(range(attn_size)), backend="gloo", timeout=timeout)
+    calls, warmup, records = args["calls"], args["warmup"], []
+    for block in range(args["blocks"]):
+        for op in PP_OPS:
+            dist.barrier(group=pp_group)
+            _time_pp_op(op, rank, size, pp_group, warmup)
+            dist.barrier(group=pp_group)
+            loop_s, drain_s = _time_pp_op(op, rank, size, pp_group, calls)
+            records.append({"part": "pp", "op": op, "block": block, "loop_s": loop_s, "drain_s": drain_s})
+        for op in ATTN_OPS:
+            dist.barrier(group=pp_group)
+            if rank < attn_size:
+                _time_attn_op(op, attn_group, warmup)
+                dist.barrier(group=attn_group)
+                loop_s = _time_attn_op(op, attn_group, calls)
+                records.append({"part": "attn", "op": op, "block": block, "loop_s": loop_s, "drain_s": 0.0})
+    dist.barrier(group=pp_group)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_world(size: int, args: dict) -> dict[int, list[dict]]:
+    with tempfile.TemporaryDirectory() as scratch:
+        mp.spawn(_world_main, args=(size, _free_port(), args, scratch), nprocs=size, join=True)
+        return {rank: json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(size)}
+
+
+def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dict]:
+    """CSV rows (one per rank, op and block) and {pp: {part: {op: {rank: median us per call}}}}."""
+    rows, medians = [], {}
+    for size in pp_sizes:
+        started = time.perf_counter()
+        per_rank = measure_world(size, args)
+        print(f"  world of {size} ranks: {time.perf_counter() - started:.1f} s")
+        for rank, records in per_rank.items():
+            for rec in records:
+                us = rec["loop_s"] / args["calls"] * 1e6
+                part = "pp_agreement" if rec["part"] == "pp" else "attn_agreement"
+                metric = "us_per_call" if rec["part"] == "pp" else "us_per_step"
+                note = "" if rec["part"] == "pp" else "attention group = ranks 0, 1"
+                rows.append(
+                    {
+                        "part": part,
+                        "pp": size,
+                        "variant": rec["op"],
+                        "rank": rank,
+                        "repeat": rec["block"],
+                        "metric": metric,
+                        "value": us,
+                        "unit": "us",
+                        "n": args["calls"],
+                        "note": note,
+                    }
+                )
+                if rec["op"] == "relay":
+                    rows.append(
+                        {
+                            **rows[-1],
+                            "metric": "drain_us_per_call",
+                            "value": rec["drain_s"] / args["calls"] * 1e6,
+                            "note": "waiting once, after the loop, for every isend handle",
+                        }
+                    )
+        for row in rows:
+            if row["pp"] != size:
+                continue
+            medians.setdefault(size, {}).setdefault(row["part"], {}).setdefault(
+                row["variant"] + ("" if row["metric"] != "drain_us_per_call" else "_drain"), {}
+            ).setdefault(row["rank"], []).append(row["value"])
+    for parts in medians.values():
+        for ops in parts.values():
+            for op, by_rank in ops.items():
+                ops[op] = {rank: statistics.median(v) for rank, v in by_rank.items()}
+    return rows, medians
+
+
+def report_primitives(medians: dict) -> dict:
+    summary = {}
+    print("\nPP group: microseconds per call (median block); relay loop excludes its drain, shown apart")
+    print(
+        f"{'pp':>3} {'rank':>6} {'relay':>9} {'drain':>9} {'barrier':>9} {'all_reduce':>10} "
+        f"{'relay/barrier':>14} {'relay/all_reduce':>17}"
+    )
+    for size, parts in medians.items():
+        ops = parts["pp_agreement"]
+        for rank, label in ((0, "0"), (size - 1, "last")):
+            relay, barrier, allred = ops["relay"][rank], ops["barrier"][rank], ops["all_reduce"][rank]
+            drain = ops["relay_drain"][rank]
+            r_b, r_a = _ratio(relay, barrier), _ratio(relay, allred)
+            print(
+                f"{size:3} {label:>6} {relay:9.1f} {drain:9.1f} {barrier:9.1f} {allred:10.1f} {r_b:14.3f} {r_a:17.3f}"
+            )
+            summary.setdefault(str(size), {})[f"rank_{label}"] = {
+                "relay_us": relay,
+                "relay_drain_us_per_call": drain,
+                "barrier_us": barrier,
+                "all_reduce_us": allred,
+                "relay/barrier": r_b,
+                "relay/all_reduce": r_a,
+            }
+    print(
+        "  rank 0's relay is the isend alone: the relay never makes stage 0 wait; the last rank's relay is the "
+        "recv, what the pipeline pays.\n  drain: the once-a-round wait for the isend handles, per call (rank 0 "
+        "waits for the next stage to have received everything)."
+    )
+    print("\nattention group of 2 (ranks 0, 1): microseconds per step, [write, load] agreed (MIN)")
+    print(f"{'pp world':>8} {'rank':>5} {'one 2-elem':>11} {'two 1-elem':>11} {'two/one':>8}")
+    for size, parts in medians.items():
+        ops = parts["attn_agreement"]
+        for rank in (0, 1) if size > 1 else (0,):
+            one, two = ops["combined_1x2"][rank], ops["separate_2x1"][rank]
+            print(f"{size:8} {rank:5} {one:11.1f} {two:11.1f} {_ratio(two, one):8.3f}")
+            summary.setdefault(str(size), {})[f"attn_rank_{rank}"] = {
+                "combined_us_per_step": one,
+                "separate_us_per_step": two,
+                "separate/combined": _ratio(two, one),
+            }
+    return summary
+
+
+# -- main ---------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "gloo_available": dist.is_gloo_available(),
+        "load_average_1_5_15_min": os.getloadavg(),  # other work on the machine skews every number here
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_flags(parser, pp=2, latency="virtual")
+    parser.set_defaults(enable_hierarchical_cache=True)  # the host tier is what needs agreeing on
+    parser.add_argument("--sync-modes", nargs="+", default=list(SYNC_MODES), choices=SYNC_MODES, help="part 1 modes")
+    parser.add_argument("--repeats", type=int, default=3, help="part 1: runs per sync mode (median reported)")
+    parser.add_argument("--pp-sizes", type=int, nargs="+", default=[2, 3, 4], help="parts 2-3: world sizes")
+    parser.add_argument("--calls", type=int, default=2000, help="parts 2-3: timed calls per op and block")
+    parser.add_argument("--warmup", type=int, default=200, help="parts 2-3: untimed calls before each block")
+    parser.add_argument("--blocks", type=int, default=3, help="parts 2-3: interleaved blocks per op (median)")
+    parser.add_argument("--skip-step-time", action="store_true", help="skip part 1")
+    parser.add_argument("--skip-primitives", action="store_true", help="skip parts 2 and 3")
+    parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
+    args = parser.parse_args()
+    base = config_from_args(args)
+    modes = list(dict.fromkeys(args.sync_modes))
+    rows, report = [], {"machine": machine_info(), "args": vars(args)}
+    started = time.perf_counter()
+    if not args.skip_step_time:
+        w, p, c = base.workload, base.parallel, base.cache
+        workload = (
+            f"{w.num_clients} clients x {w.num_rounds} rounds, request {w.request_length}, sub-question "
+            f"{w.sub_question_input_length}, output {w.output_length}, max running {w.max_running_requests}, "
+            f"seed {w.seed}; model {base.model.num_layers} layers x {base.model.hidden_size}; "
+            f"--pp {p.pp} --tp {p.tp} --cp {p.cp}, hierarchical cache {c.enable_hierarchical_cache}, "
+            f"--latency {c.latency}"
+        )
+        print(f"part 1: scheduler step time by sync mode ({', '.join(modes)}), {args.repeats} repeats\n  {workload}")
+        step_rows, means = measure_step_times(base, modes, args.repeats)
+        rows += step_rows
+        report["step_time"] = {"workload": workload, **report_step_times(means, step_rows, modes, p.world_size)}
+    if not args.skip_primitives:
+        print(f"\nparts 2-3: agreement primitives, worlds of {args.pp_sizes} ranks, {args.calls} calls x {args.blocks}")
+        world_args = {
+            "calls": args.calls,
+            "warmup": args.warmup,
+            "blocks": args.blocks,
+            "timeout_s": base.parallel.collective_timeout_s,
+        }
+        prim_rows, medians = measure_primitives(args.pp_sizes, world_args)
+        rows += prim_rows
+        report["primitives"] = report_primitives(medians)
+    report["elapsed_s"] = time.perf_counter() - started
+    report["load_average_at_end"] = os.getloadavg()
+    out = Path(args.results_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "agreement_cost.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out / "agreement_cost.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"\nwrote {out}/agreement_cost.csv and agreement_cost.json ({report['elapsed_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
