@@ -2,7 +2,7 @@
 
 For a realistic KV shape (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token) and a batch of at
 least 64 MB, it times device->host backup and host->device load of whole pages through the lab's own pools
-(`HostKVPool.backup_from_device` / `load_to_device`) on the `CudaCopyEngine`'s streams, for page sizes 1, 16
+(`HostKVPool.copy_layers`, as the controller issues them) on the `CudaCopyEngine`'s streams, for page sizes 1, 16
 and 64 and both host layouts. Pages are scattered (random page order on both sides), as in a pool after
 churn. The ceiling is a plain `copy_` of the same byte count between one contiguous device tensor and one
 pinned host tensor. Target: backup and load at page size 64 >= 0.9x the ceiling.
@@ -47,8 +47,8 @@ def scattered_slots(tokens: int, page_size: int, pool_tokens: int, generator) ->
     return (pages[:, None] * page_size + torch.arange(page_size)).flatten()
 
 
-def engine_copy(engine: CudaCopyEngine, stream: str, copy_layer, host, device, host_idx, device_idx):
-    layers = [lambda layer=layer: copy_layer(device, host_idx, device_idx, layer) for layer in range(LAYERS)]
+def engine_copy(engine: CudaCopyEngine, stream: str, to_host: bool, host, device, host_idx, device_idx):
+    layers = host.copy_layers(to_host, device, host_idx, device_idx)
     event = engine.submit(stream, CopyJob(layers, lambda: None))
     torch.cuda.current_stream().wait_event(event.finished)  # so the timing events enclose the side stream
 
@@ -76,11 +76,8 @@ def main() -> None:
         for page_size in args.page_sizes:
             dev_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
             host_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
-            for direction, stream, copy_layer in (
-                ("backup", "write", host.backup_from_device),
-                ("load", "load", host.load_to_device),
-            ):
-                copy = partial(engine_copy, engine, stream, copy_layer, host, device, host_idx, dev_idx)
+            for direction, stream, to_host in (("backup", "write", True), ("load", "load", False)):
+                copy = partial(engine_copy, engine, stream, to_host, host, device, host_idx, dev_idx)
                 seconds = timed(copy, args.repeats)
                 gbps = nbytes / seconds / 1e9
                 rows.append(

@@ -52,12 +52,8 @@ class HiCacheController:
         self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.copy_check = CopyCheck(enabled=check_copies)
 
-    def _job(self, copy_layer, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
-        layers = [
-            partial(copy_layer, self.device_pool, host_idx, device_idx, layer)
-            for layer in range(self.device_pool.num_layers)
-        ]
-        return CopyJob(layers, poison)
+    def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
+        return CopyJob(self.host_pool.copy_layers(to_host, self.device_pool, host_idx, device_idx), poison)
 
     def write(self, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
         """Back `device_indices` up to freshly allocated host slots; None when the host pool is full.
@@ -68,7 +64,7 @@ class HiCacheController:
         if host_indices is None:
             return None
         poison = partial(self.host_pool.poison, host_indices)
-        job = self._job(self.host_pool.backup_from_device, host_indices, device_indices, poison)
+        job = self._job(True, host_indices, device_indices, poison)
         ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices)
         if queue_ack:
             self.ack_write_queue.append(ack)
@@ -91,7 +87,7 @@ class HiCacheController:
         node_ids = [n for _, _, n in self.load_queue]
         self.load_queue = []
         poison = partial(self.device_pool.poison, device_idx)
-        job = self._job(self.host_pool.load_to_device, host_idx, device_idx, poison)
+        job = self._job(False, host_idx, device_idx, poison)
         ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx)
         self.ack_load_queue.append(ack)
         return ack.finish_event

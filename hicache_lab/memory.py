@@ -9,10 +9,16 @@ cache handles is a whole number of pages. Running out is a `PoolExhaustedError`,
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
 POISON = float("nan")  # what a slot holds while a copy into it is still in flight (virtual latency)
+
+
+def _nothing() -> None:
+    pass
 
 
 class PoolExhaustedError(RuntimeError):
@@ -105,6 +111,35 @@ class HostKVPool:
     def load_to_device(self, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
         for dst, src in zip(device.buffers(layer), self.buffers(layer), strict=True):
             copy_rows(dst, device_idx, src, host_idx)
+
+    def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
+        """One callable per layer, moving that layer's K and V to the host (or back). With `page_first` between
+        a GPU and pinned memory, all layers of a page are adjacent on the host: the first callable moves every
+        layer, one copy per contiguous run of pages, and the others do nothing (this layout gives up
+        layer-by-layer overlap for bandwidth)."""
+        if self.layout == "page_first" and device.device.type == "cuda":
+            whole = partial(self._pages_to_host if to_host else self._pages_to_device, device, host_idx, device_idx)
+            return [whole] + [_nothing] * (self.num_layers - 1)
+        one = self.backup_from_device if to_host else self.load_to_device
+        return [partial(one, device, host_idx, device_idx, layer) for layer in range(self.num_layers)]
+
+    def _pages_to_host(self, device: DeviceKVPool, host_idx, device_idx) -> None:
+        idx = device_idx.to(device.device)
+        runs = _runs(host_idx, torch.arange(len(host_idx)))
+        for kind, layers in enumerate((device.k, device.v)):
+            staged = torch.stack([layer[idx] for layer in layers], dim=1)  # [tokens, layers, heads, dim], in HBM
+            for d, s, n in runs:
+                self.kv[kind, d : d + n].copy_(staged[s : s + n], non_blocking=True)
+
+    def _pages_to_device(self, device: DeviceKVPool, host_idx, device_idx) -> None:
+        idx = device_idx.to(device.device)
+        runs = _runs(torch.arange(len(host_idx)), host_idx)
+        for kind, layers in enumerate((device.k, device.v)):
+            staged = torch.empty((len(host_idx), *self.kv.shape[2:]), dtype=self.kv.dtype, device=device.device)
+            for d, s, n in runs:
+                staged[d : d + n].copy_(self.kv[kind, s : s + n], non_blocking=True)
+            for layer_index, layer in enumerate(layers):
+                layer[idx] = staged[:, layer_index]
 
     def page_shape(self, tokens: int) -> tuple[int, ...]:
         k = self.buffers(0)[0]
