@@ -33,6 +33,7 @@ REALISTIC = {
     "max_total_tokens": 12288,
     "hicache_ratio": 4.0,
     "page_size": 64,
+    "host_layout": "page_first",  # whole pages per copy: ~5x the bandwidth of layer_first (BENCHMARKS.md)
 }
 
 
