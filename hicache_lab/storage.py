@@ -137,16 +137,21 @@ class MooncakeStorage:
             raise RuntimeError("Mooncake refused to register the staging buffer")
         self.stats: Counter[str] = Counter()
 
-    def _keys(self, hashes: list[str]) -> list[str]:
-        return [f"{h}_{self.suffix}" for h in hashes]
-
-    def _addresses(self, count: int) -> tuple[list[int], list[int]]:
+    def _chunks(self, hashes: list[str], page_slots: list[torch.Tensor]):
+        """(keys, host slots per page, staging addresses, sizes) for each batch the staging buffer holds."""
         base = self.staging.data_ptr()
-        return [base + i * self.page_bytes for i in range(count)], [self.page_bytes] * count
+        for start in range(0, len(hashes), self.batch_pages):
+            keys = [f"{h}_{self.suffix}" for h in hashes[start : start + self.batch_pages]]
+            addresses = [base + i * self.page_bytes for i in range(len(keys))]
+            yield keys, page_slots[start : start + self.batch_pages], addresses, [self.page_bytes] * len(keys)
+
+    def _staged(self, i: int) -> torch.Tensor:
+        """The staging rows of the batch's page i."""
+        return self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
 
     def batch_exists(self, hashes: list[str]) -> int:
         count = 0
-        for present in self.store.batch_is_exist(self._keys(hashes)):
+        for present in self.store.batch_is_exist([f"{h}_{self.suffix}" for h in hashes]):
             if present != 1:
                 break
             count += 1
@@ -154,29 +159,24 @@ class MooncakeStorage:
 
     def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         done = 0
-        for start in range(0, len(hashes), self.batch_pages):
-            chunk = slice(start, start + self.batch_pages)
-            keys, slots = self._keys(hashes[chunk]), page_slots[chunk]
-            sizes = self.store.batch_get_into(keys, *self._addresses(len(keys)))
-            for i, (size, page) in enumerate(zip(sizes, slots, strict=True)):
+        for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
+            for i, (size, page) in enumerate(
+                zip(self.store.batch_get_into(keys, addresses, sizes), slots, strict=True)
+            ):
                 if size != self.page_bytes:
                     self.stats["read_misses"] += 1
                     return done
-                rows = self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
-                host.set_page_data(page, rows.view(host.page_shape(len(page))))
+                host.set_page_data(page, self._staged(i).view(host.page_shape(len(page))))
                 done += 1
                 self.stats["pages_read"] += 1
         return done
 
     def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         done = 0
-        for start in range(0, len(hashes), self.batch_pages):
-            chunk = slice(start, start + self.batch_pages)
-            keys, slots = self._keys(hashes[chunk]), page_slots[chunk]
+        for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
             for i, page in enumerate(slots):
-                rows = self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
-                rows.copy_(host.page_data(page).flatten())
-            results = self.store.batch_put_from(keys, *self._addresses(len(keys)))
+                self._staged(i).copy_(host.page_data(page).flatten())
+            results = self.store.batch_put_from(keys, addresses, sizes)
             ok = next((i for i, rc in enumerate(results) if rc != 0), len(results))
             done += ok
             self.stats["pages_written"] += ok
