@@ -14,6 +14,7 @@ from .config import (
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
     SYNC_FIXES,
+    SYNC_IMPL_SLOTS,
     SYNC_MODES,
     WRITE_POLICIES,
     CacheConfig,
@@ -126,6 +127,14 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
             choices=SYNC_FIXES,
             help=f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md",
         )
+    parser.add_argument(
+        "--sync-impl",
+        action="append",
+        default=[],
+        metavar="SLOT=MODULE:FUNCTION",
+        help=f"use your own function in every rank (repeatable); SLOT: {', '.join(SYNC_IMPL_SLOTS)}; "
+        "e.g. pp_sync=my_sync:pp_sync (see hicache_lab/sync_impl.py)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
@@ -138,6 +147,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     values["workload"]["round_barrier"] = not args.no_round_barrier
     values["parallel"]["enable_fixes"] = tuple(args.enable_fix)
     values["parallel"]["disable_fixes"] = tuple(args.disable_fix)
+    values["parallel"]["sync_impls"] = tuple(args.sync_impl)
     sections = {name: SECTIONS[name](**v) for name, v in values.items()}
     return RunConfig(**sections, check_outputs=args.check_outputs)
 

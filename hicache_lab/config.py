@@ -22,6 +22,8 @@ SYNC_FIXES = (
     "prefetch_groups",
     "storage_keys",
 )
+# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (sync_impl.py binds it).
+SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
@@ -174,6 +176,7 @@ class ParallelConfig:
     consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
     enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
+    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (sync_impl.py)
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp"):
@@ -185,6 +188,16 @@ class ParallelConfig:
         for name in (*self.enable_fixes, *self.disable_fixes):
             _check_choice(name, SYNC_FIXES, "fix")
         _check(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
+        for spec in self.sync_impls:
+            slot, _, target = spec.partition("=")
+            module, _, function = target.partition(":")
+            _check(
+                bool(module and function),
+                f"--sync-impl {spec!r}: write SLOT=MODULE:FUNCTION, e.g. pp_sync=my_sync:pp_sync",
+            )
+            _check_choice(slot, SYNC_IMPL_SLOTS, "--sync-impl slot")
+        slots = [spec.partition("=")[0] for spec in self.sync_impls]
+        _check(len(set(slots)) == len(slots), f"--sync-impl names a slot twice ({', '.join(slots)}): keep one each")
 
     @property
     def fixes(self) -> frozenset[str]:

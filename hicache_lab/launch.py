@@ -36,6 +36,7 @@ from .report import format_table, round_rows, summarize, write_requests
 from .scheduler import Scheduler
 from .storage import FileStorage, MooncakeStorage, start_mooncake_master, storage_suffix
 from .sync import CacheSync
+from .sync_impl import install, resolve
 from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
 from .workload import Feeder, MultiTurnWorkload
@@ -117,6 +118,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     cache = HiRadixCache(c, device_alloc, sync, controller)
+    install(resolve(p.sync_impls), sync, cache)
     if c.storage_backend != "none":
         cache.storage = build_storage_tier(cfg, groups, layers, cache, Path(c.storage_dir or out_dir / "storage"))
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
@@ -218,6 +220,7 @@ def spawn_world(cfg: RunConfig, out_dir: Path) -> None:
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
     """Run the workload on the whole world; returns (and writes) the merged summary."""
     started = time.perf_counter()
+    resolve(cfg.parallel.sync_impls)  # a --sync-impl that cannot load fails here, before any rank starts
     master = None
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         master, address, url = start_mooncake_master()
@@ -254,6 +257,7 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
         raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
+    resolve(cfg.parallel.sync_impls)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").unlink(missing_ok=True)  # rank 0 counts these to know when all are done
     started = time.perf_counter()

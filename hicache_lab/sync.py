@@ -33,10 +33,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import Groups, group_rank_and_size
+from .parallel import Groups, RankLayout, group_rank_and_size
 
 MIN = dist.ReduceOp.MIN
 MAX = dist.ReduceOp.MAX
+
+
+def prefetch_group_rank_sets(layout: RankLayout, fixes: frozenset[str]) -> tuple[list[tuple], list[tuple]]:
+    """The rank sets of the storage path's gloo groups, in creation order: (prefetch worker's, scheduler's).
+    Built from attention-CP, attention-TP and (worker only) PP groups; size-1 sets skipped, duplicates made once.
+    The prefetch thread may agree across stages (it is off the pipeline); the scheduler relays instead."""
+    attention = ("attn_cp", "attn_tp") if "prefetch_groups" in fixes else ("attn_tp",)
+    pipeline = ("pp",) if "pp_relay" in fixes else ()
+    rank_lists = layout.group_rank_lists()
+    return tuple(
+        list(dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1))
+        for kinds in (attention + pipeline, attention)
+    )
 
 
 class CacheSync:
@@ -104,19 +117,12 @@ class CacheSync:
         self._destroy_prefetch_sync_groups()
 
     def _create_prefetch_sync_groups(self) -> None:
-        """The storage path's own gloo groups, built from the attention-CP, attention-TP and PP groups (without
-        the CP fix: attention-TP alone), size-1 groups skipped and identical rank sets made once. Two sets, one
-        per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts, and the scheduler's
-        prefetch progress. Collective: every rank creates every group, in the same order."""
-        attention = ("attn_cp", "attn_tp") if "prefetch_groups" in self.fixes else ("attn_tp",)
-        pipeline = ("pp",) if "pp_relay" in self.fixes else ()
-        rank_lists = self.groups.layout.group_rank_lists()
-        # the prefetch thread may agree across stages (it is off the pipeline); the scheduler relays instead
-        for groups, kinds in (
-            (self.prefetch_sync_groups, attention + pipeline),
-            (self.prefetch_progress_groups, attention),
-        ):
-            for ranks in dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1):
+        """The storage path's own gloo groups (`prefetch_group_rank_sets`; without the CP fix: attention-TP
+        alone). Two sets, one per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts,
+        and the scheduler's prefetch progress. Collective: every rank creates every group, in the same order."""
+        rank_sets = prefetch_group_rank_sets(self.groups.layout, self.fixes)
+        for groups, sets in zip((self.prefetch_sync_groups, self.prefetch_progress_groups), rank_sets, strict=True):
+            for ranks in sets:
                 group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
                 if self.groups.layout.rank in ranks:
                     groups.append(group)
