@@ -27,6 +27,7 @@ from .config import (
 from .launch import run, run_under_torchrun
 from .plots import plot_hit_rates, plot_queue_divergence
 from .report import mean_hit_rate
+from .soak import add_soak_flags, cmd_soak
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
 FLAGS = [
@@ -217,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.set_defaults(func=cmd_run)
     demo_parser.add_argument("--figures", default="figures", help="where the figures go (default: figures)")
     demo_parser.set_defaults(func=cmd_demo)
+    soak_parser = commands.add_parser("soak", help="random small worlds in each sync mode, counted by outcome")
+    add_soak_flags(soak_parser)
+    soak_parser.set_defaults(func=cmd_soak)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -97,6 +97,9 @@ class Scheduler:
             self.cache.storage.advance(iteration)
         acks = self.cache.check_hicache_events()
         batch = self._admit_batch()
+        if not batch and not self.running and self.waiting and self.cache.storage is not None:
+            self._end_prefetches_behind_the_head()
+            batch = self._admit_batch()
         if batch:
             self.running.extend(batch)
             result = Batch("prefill", batch, self._prefill(batch), acks)
@@ -136,6 +139,13 @@ class Scheduler:
         while self.waiting and len(self.running) + len(batch) < self.max_running and self._admit(self.waiting[0]):
             batch.append(self.waiting.popleft())
         return batch
+
+    def _end_prefetches_behind_the_head(self) -> None:
+        """Nothing runs and the head of the queue does not fit: the device nodes it needs may be locked as the
+        anchors of prefetches of requests behind it, which end only at their own admission — a livelock found
+        by the soak. End every prefetch that may end now (agreed, in queue order, alike on every rank)."""
+        for req in list(self.waiting)[1:]:
+            self.cache.storage.check_prefetch_progress(req.rid)
 
     def _admit(self, req: Req) -> bool:
         """Match, lock, check room, load back, reserve slots; False (and nothing held) if it does not fit."""
