@@ -19,7 +19,7 @@ fails). Three parts:
    on the last rank.
 3. One combined [write, load] agreement vs two, over an attention group of 2 ranks (ranks 0 and 1 of the same
    worlds; the other ranks wait): one `dist.all_reduce(MIN)` of a 2-element int64 tensor vs two of 1-element
-   tensors, each including building the tensor and reading it back, as `CacheSync.agree_ack_count` does.
+   tensors, each including building the tensor and reading it back, as `CacheSync.agree_ack_counts` does.
    SGLang batched its two (PR #33473) and measured +37% input throughput.
 
 Run (about 3 minutes on 2 cores with the defaults; every `python -m hicache_lab run` flag applies to part 1,
@@ -30,7 +30,7 @@ except `--sync`, replaced by `--sync-modes`):
 
 How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective at
 all (it only lacks the relay): `legacy` and `off` run the same scheduler path, and fixed/legacy is the whole
-price of the relay (two per step: write and load acks). Step times include waiting for the previous stage, so
+price of the relay (one per step: write, load and backup counts travel together). Step times include waiting for the previous stage, so
 the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never waits (isend only;
 its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last stage's number.
 A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither may appear in
@@ -228,7 +228,7 @@ def _time_pp_op(op: str, rank: int, size: int, group, calls: int) -> tuple[float
 
 
 def _time_attn_op(op: str, group, calls: int) -> float:
-    """Per step: build the ack tensor(s), agree (MIN), read back, as `CacheSync.agree_ack_count` does."""
+    """Per step: build the ack tensor(s), agree (MIN), read back, as `CacheSync.agree_ack_counts` does."""
     write, load = 3, 1
     start = time.perf_counter()
     for _ in range(calls):

@@ -1,8 +1,9 @@
 """KV pools and their page allocators.
 
-The device pool (L1) keeps one K and one V tensor per layer, `[tokens, heads, head_dim]`. The host pool (L2)
-keeps all layers in one tensor, pinned on CUDA, in SGLang's layouts: `layer_first` `[2, layers, tokens, ...]`
-or `page_first` `[2, tokens, layers, ...]`. Slots are handed out a page at a time; every slot tensor the
+The device pool (L1) keeps K and V of every layer in one tensor, `[2, layers, tokens, heads, head_dim]`. The
+host pool (L2) keeps them in one tensor too, pinned on CUDA, in SGLang's layouts: `layer_first`
+`[2, layers, tokens, ...]` or `page_first` `[2, tokens, layers, ...]`; `pcie.py` says how copies between the two
+cross PCIe. Slots are handed out a page at a time; every slot tensor the
 cache handles is a whole number of pages. Running out is a `PoolExhaustedError`, a double free an assertion.
 """
 
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
+from . import pcie
 
 POISON = float("nan")  # what a slot holds while a copy into it is still in flight (virtual latency)
 
@@ -53,40 +56,34 @@ class PageAllocator:
             self._free.append(p)
 
 
-def _runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split an index pair into (dst_start, src_start, length) runs that are contiguous on both sides."""
-    dst_idx, src_idx = dst_idx.cpu(), src_idx.cpu()
-    breaks = ((dst_idx.diff() != 1) | (src_idx.diff() != 1)).nonzero().flatten() + 1
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-    lengths = torch.cat([breaks, torch.tensor([len(dst_idx)])]) - starts
-    return list(zip(dst_idx[starts].tolist(), src_idx[starts].tolist(), lengths.tolist(), strict=True))
+class _SlotIndices:
+    """A copy's slot indices, moved to the pools' device on first use: inside the copy (on its stream), so that on a
+    GPU they live as long as the kernels reading them."""
 
+    def __init__(self, host_idx: torch.Tensor, device_idx: torch.Tensor, device: torch.device):
+        self._cpu, self._moved, self._device = (host_idx, device_idx), None, device
 
-def copy_rows(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """dst[dst_idx] = src[src_idx]; across devices as contiguous runs, asynchronous on the current stream."""
-    if dst.device == src.device:
-        dst[dst_idx.to(dst.device)] = src[src_idx.to(src.device)]
-        return
-    for d, s, n in _runs(dst_idx, src_idx):
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+    def moved(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._moved is None:
+            if self._device.type == "cuda":  # from pageable memory the copy would wait for the stream to drain
+                self._moved = tuple(idx.pin_memory().to(self._device, non_blocking=True) for idx in self._cpu)
+            else:
+                self._moved = self._cpu
+        return self._moved
 
 
 class DeviceKVPool:
     def __init__(self, size: int, num_layers: int, num_heads: int, head_dim: int, device: str, dtype=torch.float32):
-        shape = (size, num_heads, head_dim)
         self.size, self.num_layers, self.device, self.dtype = size, num_layers, torch.device(device), dtype
-        self.k = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=self.device, dtype=dtype) for _ in range(num_layers)]
+        self.kv = torch.zeros((2, num_layers, size, num_heads, head_dim), device=self.device, dtype=dtype)
+        self.k, self.v = list(self.kv[0]), list(self.kv[1])  # per-layer views
         self.bytes_per_token = 2 * num_layers * num_heads * head_dim * dtype.itemsize
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]
 
     def poison(self, slots: torch.Tensor) -> None:
-        idx = slots.to(self.device)
-        for layer in range(self.num_layers):
-            self.k[layer][idx] = POISON
-            self.v[layer][idx] = POISON
+        self.kv[:, :, slots.to(self.device)] = POISON
 
 
 class HostKVPool:
@@ -94,52 +91,47 @@ class HostKVPool:
         first = device_pool.k[0]
         n, h, d = device_pool.num_layers, first.shape[1], first.shape[2]
         shape = (2, n, size, h, d) if layout == "layer_first" else (2, size, n, h, d)
-        pin = device_pool.device.type == "cuda"
-        self.kv = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=pin)
+        on_gpu = device_pool.device.type == "cuda"
+        self.kv = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=on_gpu)
         self.size, self.layout, self.num_layers = size, layout, n
         self.bytes_per_token = device_pool.bytes_per_token
+        # what index kernels address: on a GPU, the same pinned bytes through their device address (UVA)
+        self._kv_for_kernels = pcie.device_alias(self.kv) if on_gpu else self.kv
+        self._helper_stream = torch.cuda.Stream(device_pool.device) if on_gpu else None
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.layout == "layer_first":
-            return self.kv[0, layer], self.kv[1, layer]
-        return self.kv[0, :, layer], self.kv[1, :, layer]
+        return tuple(self._layer(self.kv, layer))
 
-    def backup_from_device(self, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
-        for dst, src in zip(self.buffers(layer), device.buffers(layer), strict=True):
-            copy_rows(dst, host_idx, src, device_idx)
+    def _layer(self, kv: torch.Tensor, layer: int) -> torch.Tensor:
+        """K and V of one layer, [2, tokens, heads, head_dim], a view of `kv` in this pool's layout."""
+        return kv[:, layer] if self.layout == "layer_first" else kv[:, :, layer]
 
-    def load_to_device(self, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
-        for dst, src in zip(device.buffers(layer), self.buffers(layer), strict=True):
-            copy_rows(dst, device_idx, src, host_idx)
+    def copy_layer(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
+        """One layer's K and V between the pools by one index kernel; on a GPU it reads or writes host memory
+        directly. Indices must be on the pools' device."""
+        host_layer, device_layer = self._layer(self._kv_for_kernels, layer), device.kv[:, layer]
+        if to_host:
+            host_layer[:, host_idx] = device_layer[:, device_idx]
+        else:
+            device_layer[:, device_idx] = host_layer[:, host_idx]
 
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
-        """One callable per layer, moving that layer's K and V to the host (or back). With `page_first` between
-        a GPU and pinned memory, all layers of a page are adjacent on the host: the first callable moves every
-        layer, one copy per contiguous run of pages, and the others do nothing (this layout gives up
-        layer-by-layer overlap for bandwidth)."""
-        if self.layout == "page_first" and device.device.type == "cuda":
-            whole = partial(self._pages_to_host if to_host else self._pages_to_device, device, host_idx, device_idx)
+        """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
+        With `page_first` pages long enough for DMA (`pcie.uses_dma`), the first callable moves every layer
+        and the others do nothing."""
+        slots = _SlotIndices(host_idx, device_idx, device.device)
+        if device.device.type == "cuda" and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx):
+            move = pcie.dma_to_host if to_host else pcie.dma_to_device
+
+            def whole() -> None:
+                move(self.kv, device.kv, host_idx, slots.moved()[1], self._helper_stream)
+
             return [whole] + [_nothing] * (self.num_layers - 1)
-        one = self.backup_from_device if to_host else self.load_to_device
-        return [partial(one, device, host_idx, device_idx, layer) for layer in range(self.num_layers)]
 
-    def _pages_to_host(self, device: DeviceKVPool, host_idx, device_idx) -> None:
-        idx = device_idx.to(device.device)
-        runs = _runs(host_idx, torch.arange(len(host_idx)))
-        for kind, layers in enumerate((device.k, device.v)):
-            staged = torch.stack([layer[idx] for layer in layers], dim=1)  # [tokens, layers, heads, dim], in HBM
-            for d, s, n in runs:
-                self.kv[kind, d : d + n].copy_(staged[s : s + n], non_blocking=True)
+        def one(layer: int) -> None:
+            self.copy_layer(to_host, device, *slots.moved(), layer)
 
-    def _pages_to_device(self, device: DeviceKVPool, host_idx, device_idx) -> None:
-        idx = device_idx.to(device.device)
-        runs = _runs(torch.arange(len(host_idx)), host_idx)
-        for kind, layers in enumerate((device.k, device.v)):
-            staged = torch.empty((len(host_idx), *self.kv.shape[2:]), dtype=self.kv.dtype, device=device.device)
-            for d, s, n in runs:
-                staged[d : d + n].copy_(self.kv[kind, s : s + n], non_blocking=True)
-            for layer_index, layer in enumerate(layers):
-                layer[idx] = staged[:, layer_index]
+        return [partial(one, layer) for layer in range(self.num_layers)]
 
     def page_shape(self, tokens: int) -> tuple[int, ...]:
         k = self.buffers(0)[0]

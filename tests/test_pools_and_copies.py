@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache_lab import pcie
 from hicache_lab.memory import DeviceKVPool, HostKVPool, PageAllocator
-from hicache_lab.transfer import CopyJob, ThreadCopyEngine, VirtualCopyEngine
+from hicache_lab.transfer import CopyJob, CudaCopyEngine, ThreadCopyEngine, VirtualCopyEngine
 
 
 def filled_device_pool(size=32, layers=2):
@@ -18,8 +19,7 @@ def filled_device_pool(size=32, layers=2):
 
 
 def copy_job(host: HostKVPool, device: DeviceKVPool, host_idx, device_idx) -> CopyJob:
-    layers = [lambda layer=layer: host.backup_from_device(device, host_idx, device_idx, layer) for layer in range(2)]
-    return CopyJob(layers, lambda: host.poison(host_idx))
+    return CopyJob(host.copy_layers(True, device, host_idx, device_idx), lambda: host.poison(host_idx))
 
 
 def test_allocator_hands_out_whole_pages_and_reports_exhaustion():
@@ -39,10 +39,31 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
     host = HostKVPool(64, device, layout)
     src, dst, back = torch.tensor([3, 4, 9, 10]), torch.tensor([40, 41, 7, 8]), torch.tensor([20, 21, 22, 23])
     for layer in range(2):
-        host.backup_from_device(device, dst, src, layer)
-        host.load_to_device(device, dst, back, layer)
+        host.copy_layer(True, device, dst, src, layer)
+        host.copy_layer(False, device, dst, back, layer)
         assert torch.equal(device.k[layer][back], device.k[layer][src])
         assert torch.equal(device.v[layer][back], device.v[layer][src])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run it on the device machine)")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+@pytest.mark.parametrize("dma", [False, True], ids=["uva", "dma"])
+def test_gpu_copies_round_trip_exactly(layout, dma, monkeypatch):
+    """Both ways across PCIe (UVA kernels per layer; DMA of page runs with `page_first`), scattered pages."""
+    monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1 if dma else 1 << 40)
+    device = DeviceKVPool(256, 3, num_heads=2, head_dim=8, device="cuda", dtype=torch.bfloat16)
+    device.kv.copy_(torch.randn_like(device.kv))
+    host = HostKVPool(512, device, layout)
+    engine = CudaCopyEngine(0.0, seed=0, rank=0)
+    pages = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    src = (pages[:10, None] * 8 + torch.arange(8)).flatten()
+    dst = (pages[10:20, None] * 16 + torch.arange(8)).flatten()
+    back = (pages[20:30, None] * 8 + torch.arange(8)).flatten()
+    assert pcie.uses_dma(layout, device.bytes_per_token, dst) == (dma and layout == "page_first")
+    engine.submit("write", CopyJob(host.copy_layers(True, device, dst, src), lambda: None)).synchronize()
+    engine.submit("load", CopyJob(host.copy_layers(False, device, dst, back), lambda: None)).synchronize()
+    assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])
+    assert torch.equal(torch.stack(host.buffers(2))[:, dst].cuda(), device.kv[:, 2, src])
 
 
 def test_virtual_copy_poisons_until_due_then_moves_bytes():
