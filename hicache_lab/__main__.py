@@ -25,9 +25,10 @@ from .config import (
     WorkloadConfig,
 )
 from .launch import run, run_under_torchrun
-from .plots import plot_hit_rates, plot_queue_divergence
+from .plots import plot_against_sglang, plot_hit_rates, plot_queue_divergence
 from .report import mean_hit_rate
 from .soak import add_soak_flags, cmd_soak
+from .traces import read_bench_multiturn
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
 FLAGS = [
@@ -91,6 +92,8 @@ FLAGS = [
     ("--output-length", "workload", "output_length", int, "tokens generated per turn"),
     ("--max-running-requests", "workload", "max_running_requests", int, "admission limit of a batch"),
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
+    ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see traces.py)"),
+    ("--trace-block-tokens", "workload", "trace_block_tokens", int, "lab tokens per trace hash id (Mooncake: 512)"),
     ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
     ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),
@@ -162,7 +165,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         summary = run(cfg, Path(args.out))
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
+    if args.compare_sglang:
+        compare_with_sglang(summary, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
     return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
+
+
+def compare_with_sglang(summary: dict, log: str, figure: Path) -> None:
+    """Print this run's hit rate per round beside a bench_multiturn log's, and plot them."""
+    sglang = read_bench_multiturn(log)
+    print(f"\nhit rate per round: this run vs {log}")
+    tags = list(dict.fromkeys(r["tag"] for r in sglang))
+    print("round    lab  " + "  ".join(f"{t[:14]:>14}" for t in tags))
+    for row in summary["rounds"]:
+        theirs = {r["tag"]: r["hit_rate"] for r in sglang if r["round"] == row["round"]}
+        cells = "  ".join(f"{theirs[t]:14.1%}" if t in theirs else f"{'-':>14}" for t in tags)
+        print(f"{row['round']:5} {row['hit_rate']:6.1%}  {cells}")
+    plot_against_sglang(summary, sglang, figure)
+    print(f"figure: {figure}")
 
 
 DEMO_RUNS = (  # (directory, label, hierarchical cache, sync)
@@ -215,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     for p, default_out, overrides in ((run_parser, "runs/latest", {}), (demo_parser, "runs/demo", {"pp": 2})):
         add_run_flags(p, **overrides)
         p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
+    run_parser.add_argument(
+        "--compare-sglang",
+        metavar="LOG",
+        help="SGLang bench_multiturn --log-file (JSONL): print and plot its per-round hit rates beside this run's",
+    )
     run_parser.set_defaults(func=cmd_run)
     demo_parser.add_argument("--figures", default="figures", help="where the figures go (default: figures)")
     demo_parser.set_defaults(func=cmd_demo)

@@ -151,14 +151,27 @@ class WorkloadConfig:
     max_running_requests: int = 16  # admission limit of a batch
     round_barrier: bool = True
     seed: int = 0
+    trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (traces.py)
+    trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
 
     def __post_init__(self) -> None:
         for name in ("num_clients", "num_rounds", "request_length", "output_length", "max_running_requests"):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
         _check(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
+        _check(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
+        if self.trace_file:
+            windows, requests = self.num_rounds if self.round_barrier else 1, len(self._trace_lengths())
+            _check(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
+
+    def _trace_lengths(self) -> tuple[int, ...]:
+        from .traces import trace_lengths  # traces.py imports this module
+
+        return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
 
     def longest_sequence(self) -> int:
-        """Tokens of KV held by the last round's request: its whole prompt plus its output."""
+        """Tokens of KV held by the longest request: with conversations, the last round's prompt plus output."""
+        if self.trace_file:
+            return max(self._trace_lengths())
         per_round = self.output_length + self.sub_question_input_length
         return self.request_length + (self.num_rounds - 1) * per_round + self.output_length
 

@@ -39,7 +39,7 @@ from .sync import CacheSync
 from .sync_impl import install, resolve
 from .trace import TraceWriter, trace_path
 from .transfer import make_copy_engine
-from .workload import Feeder, MultiTurnWorkload
+from .workload import Feeder, make_workload
 
 GRACE_S = 2.0  # after the first rank fails, how long the others get to report before they are stopped
 
@@ -122,7 +122,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     if c.storage_backend != "none":
         cache.storage = build_storage_tier(cfg, groups, layers, cache, Path(c.storage_dir or out_dir / "storage"))
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
-    feeder = Feeder(MultiTurnWorkload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
+    feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     return StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
 

@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from .trace import read_trace  # noqa: E402
 
@@ -87,6 +88,31 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
         rounds = [r["round"] for r in bound]
         ax.plot(rounds, [100 * r["upper_bound_hit_rate"] for r in bound], "k:", label="infinite cache (bound)")
     ax.set_xlabel("round")
+    ax.set_ylabel("prefix cache hit rate (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> None:
+    """Hit rate by round: this lab run (and its infinite-cache bound) beside SGLang bench_multiturn runs."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    rows = summary["rounds"]
+    ax.plot([r["round"] for r in rows], [100 * r["hit_rate"] for r in rows], "o-", label="hicache_lab", ms=8)
+    ax.plot([r["round"] for r in rows], [100 * r["upper_bound_hit_rate"] for r in rows], "k:", label="lab bound")
+    for tag in dict.fromkeys(r["tag"] for r in sglang_rows):
+        mine = [r for r in sglang_rows if r["tag"] == tag and r["round"] is not None]
+        if mine:
+            ax.plot([r["round"] for r in mine], [100 * r["hit_rate"] for r in mine], "s--", label=f"SGLang: {tag}")
+        else:  # a run without --enable-round-barrier reports one overall rate
+            (overall,) = (r for r in sglang_rows if r["tag"] == tag)
+            ax.axhline(100 * overall["hit_rate"], ls="--", lw=1, color="gray", label=f"SGLang: {tag} (overall)")
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("prefix cache hit rate (%)")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)

@@ -5,8 +5,10 @@ earlier prompt and answer) plus a fresh sub-question of `sub_question_input_leng
 answers with `output_length` tokens. With the round barrier (the default, as `--enable-round-barrier`), round
 r+1 starts only when every client's round-r answer is done, which makes per-round hit rates comparable.
 
-`InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched. `Feeder` is the
-one place requests come from (pipeline stage 0 hands them down to the other stages).
+`TraceWorkload` replays a Mooncake trace instead (`traces.py`): requests in timestamp order, split into
+`num_rounds` windows of equal count that play the part of rounds (with the barrier; without it, the whole trace
+arrives at once). `InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
+`Feeder` is the one place requests come from (pipeline stage 0 hands them down to the other stages).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 from .config import WorkloadConfig
 from .radix import page_hashes
 from .scheduler import Req
+from .traces import read_mooncake_trace
 
 
 class MultiTurnWorkload:
@@ -38,8 +41,43 @@ class MultiTurnWorkload:
         self._next_rid += 1
         return req
 
+    def round_requests(self, round_: int) -> list[Req]:
+        return [self.request(c, round_) for c in range(self.cfg.num_clients)]
+
+    def next_turn(self, req: Req) -> Req | None:
+        """Without the round barrier: the client's next turn, due as soon as `req` is answered."""
+        return self.request(req.client, req.round + 1) if req.round + 1 < self.cfg.num_rounds else None
+
     def answered(self, req: Req) -> None:
         self.history[req.client] = req.prompt + req.output
+
+
+class TraceWorkload:
+    def __init__(self, cfg: WorkloadConfig, vocab_size: int):
+        self.cfg = cfg
+        trace = read_mooncake_trace(cfg.trace_file, cfg.trace_block_tokens, cfg.output_length, vocab_size, cfg.seed)
+        windows = cfg.num_rounds if cfg.round_barrier else 1  # WorkloadConfig checked there are enough requests
+        self.windows = [w.tolist() for w in np.array_split(np.arange(len(trace)), windows)]
+        self.trace = trace
+
+    def round_requests(self, round_: int) -> list[Req]:
+        if round_ >= len(self.windows):
+            return []
+        now = time.perf_counter()
+        return [
+            Req(i, i, round_, list(self.trace[i].prompt), self.trace[i].output_length, arrival=now)
+            for i in self.windows[round_]
+        ]
+
+    def next_turn(self, req: Req) -> None:
+        return None  # a trace's requests are independent; shared prefixes come from shared hash ids
+
+    def answered(self, req: Req) -> None:
+        pass
+
+
+def make_workload(cfg: WorkloadConfig, vocab_size: int) -> MultiTurnWorkload | TraceWorkload:
+    return TraceWorkload(cfg, vocab_size) if cfg.trace_file else MultiTurnWorkload(cfg, vocab_size)
 
 
 class InfiniteCache:
@@ -70,11 +108,11 @@ class Feeder:
     next turn arrives as soon as its previous one is answered.
     """
 
-    def __init__(self, workload: MultiTurnWorkload, page_size: int):
+    def __init__(self, workload: MultiTurnWorkload | TraceWorkload, page_size: int):
         self.workload, self.cfg = workload, workload.cfg
         self.bound = InfiniteCache(page_size)
         self.arrived: list[Req] = []
-        self.queued = [workload.request(c, 0) for c in range(self.cfg.num_clients)]
+        self.queued = workload.round_requests(0)
         self.next_round = 1
         self.outstanding = 0
 
@@ -96,10 +134,11 @@ class Feeder:
             self.workload.answered(req)
             self.bound.add(req)
             self.outstanding -= 1
-            if not self.cfg.round_barrier and req.round + 1 < self.cfg.num_rounds:
-                self.queued.append(self.workload.request(req.client, req.round + 1))
+            following = None if self.cfg.round_barrier else self.workload.next_turn(req)
+            if following is not None:
+                self.queued.append(following)
         if self.cfg.round_barrier and self.outstanding == 0 and self.next_round < self.cfg.num_rounds:
-            self.queued = [self.workload.request(c, self.next_round) for c in range(self.cfg.num_clients)]
+            self.queued = self.workload.round_requests(self.next_round)
             self.next_round += 1
 
     def done(self) -> bool:

@@ -1,0 +1,113 @@
+"""Workloads from outside the lab: Mooncake request traces in, SGLang's bench_multiturn results out.
+
+**Mooncake traces** (the FAST'25 release's JSONL: one request per line) look like
+
+    {"timestamp": 27482, "input_length": 6955, "output_length": 52, "hash_ids": [46, 47, 48, ...]}
+
+`hash_ids[i]` names the i-th 512-token block of the prompt; requests whose `hash_ids` start alike share that
+prefix. The lab scales a trace down: each id becomes `--trace-block-tokens` tokens, drawn from a generator
+seeded by the id (equal ids, equal tokens), input and output lengths scale by the same factor, and outputs are
+capped at `--output-length`. Requests are replayed in timestamp order (`workload.TraceWorkload`).
+
+**bench_multiturn results** are the JSONL that SGLang's `benchmark/hicache/bench_multiturn.py` appends to its
+`--log-file`, one line per run: `{"tag", "summary": {"cache_hit_rate", "average_ttft", ...}, "round":
+{"round_0": {"cache_hit_rate", "average_ttft", "request_count"}, ...}}` (the `round` part with
+`--enable-round-barrier`). `read_bench_multiturn` turns them into rows the lab's plots take.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .config import ConfigError
+
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    timestamp: float
+    prompt: tuple[int, ...]
+    output_length: int
+
+
+def _lines(path: str, flag: str) -> list[tuple[int, dict]]:
+    """(line number, object) for every non-blank line; a ConfigError naming `flag` and the line otherwise."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"{flag} {path}: no such file")
+    rows = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{flag} {path}:{number}: not JSON ({e.msg}); the file needs one object per line") from e
+        if not isinstance(row, dict):
+            raise ConfigError(f"{flag} {path}:{number}: expected a JSON object, got {type(row).__name__}")
+        rows.append((number, row))
+    if not rows:
+        raise ConfigError(f"{flag} {path}: the file holds no lines")
+    return rows
+
+
+@functools.lru_cache(maxsize=8)
+def read_mooncake_trace(
+    path: str, block_tokens: int, max_output: int, vocab_size: int, seed: int
+) -> tuple[TraceRequest, ...]:
+    """The trace's requests, scaled to `block_tokens` per hash id, in timestamp order (ties keep file order)."""
+    requests = []
+    for number, row in _lines(path, "--trace-file"):
+        where = f"--trace-file {path}:{number}"
+        ids, length = row.get("hash_ids"), row.get("input_length")
+        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
+            raise ConfigError(f"{where}: needs a non-empty 'hash_ids' list of non-negative integers (Mooncake format)")
+        if not (isinstance(length, int) and 0 < length <= len(ids) * MOONCAKE_BLOCK_TOKENS):
+            raise ConfigError(
+                f"{where}: 'input_length' must be an integer in 1..{len(ids) * MOONCAKE_BLOCK_TOKENS} "
+                f"({len(ids)} hash ids of {MOONCAKE_BLOCK_TOKENS} tokens), got {length!r}"
+            )
+        scale = block_tokens / MOONCAKE_BLOCK_TOKENS
+        tokens = np.concatenate([np.random.default_rng([seed, i]).integers(0, vocab_size, block_tokens) for i in ids])
+        prompt = tuple(tokens[: max(1, math.ceil(length * scale))].tolist())
+        output = max(1, min(max_output, math.ceil(int(row.get("output_length", 1)) * scale)))
+        requests.append((number, TraceRequest(float(row.get("timestamp", 0)), prompt, output)))
+    return tuple(r for _, r in sorted(requests, key=lambda nr: (nr[1].timestamp, nr[0])))
+
+
+def trace_lengths(path: str, block_tokens: int, max_output: int) -> tuple[int, ...]:
+    """Tokens of KV each request holds (prompt plus output), for checking a configuration before any rank runs."""
+    return tuple(len(r.prompt) + r.output_length for r in read_mooncake_trace(path, block_tokens, max_output, 2, 0))
+
+
+def read_bench_multiturn(path: str) -> list[dict]:
+    """One row per run and round of a bench_multiturn log: tag, round (None for a run without rounds),
+    hit_rate, ttft_ms, requests."""
+    rows = []
+    for number, run in _lines(path, "bench_multiturn log"):
+        summary = run.get("summary")
+        if not isinstance(summary, dict) or "cache_hit_rate" not in summary:
+            raise ConfigError(
+                f"bench_multiturn log {path}:{number}: no 'summary.cache_hit_rate'; is this bench_multiturn's "
+                "--log-file (a version that reports cache hits)?"
+            )
+        tag = run.get("tag") or f"line {number}"
+        rounds = run.get("round") or {"": {**summary, "request_count": summary.get("total_requests", 0)}}
+        for key, r in sorted(rounds.items(), key=lambda kv: int(kv[0].removeprefix("round_") or -1)):
+            rows.append(
+                {
+                    "tag": tag,
+                    "round": int(key.removeprefix("round_")) if key else None,
+                    "hit_rate": float(r["cache_hit_rate"]),
+                    "ttft_ms": float(r.get("average_ttft", float("nan"))) * 1e3,
+                    "requests": int(r.get("request_count", 0)),
+                }
+            )
+    return rows
