@@ -24,6 +24,7 @@ from .config import (
     RunConfig,
     WorkloadConfig,
 )
+from .figures import add_figures_flags, cmd_figures
 from .launch import run, run_under_torchrun
 from .plots import plot_against_sglang, plot_hit_rates, plot_queue_divergence
 from .report import mean_hit_rate
@@ -242,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.set_defaults(func=cmd_run)
     demo_parser.add_argument("--figures", default="figures", help="where the figures go (default: figures)")
     demo_parser.set_defaults(func=cmd_demo)
+    figures_parser = commands.add_parser("figures", help="regenerate every figure in figures/ from live runs")
+    add_figures_flags(figures_parser)
+    figures_parser.set_defaults(func=cmd_figures)
     soak_parser = commands.add_parser("soak", help="random small worlds in each sync mode, counted by outcome")
     add_soak_flags(soak_parser)
     soak_parser.set_defaults(func=cmd_soak)

@@ -98,6 +98,143 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     plt.close(fig)
 
 
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def digest_agreement(rows: list[dict]) -> tuple[list[int], list[int], list[list[float]]]:
+    """(ranks, steps, matrix): 1 where the rank's tree digest equals rank 0's at that step, 0 where it
+    differs, NaN where the rank has no record (it had crashed or was stopped)."""
+    ranks = sorted({r["rank"] for r in rows})
+    steps = list(range(max(r["step"] for r in rows) + 1)) if rows else []
+    digest = {(r["rank"], r["step"]): r["digest"] for r in rows}
+    matrix = [
+        [
+            float(digest[(rank, s)] == digest[(0, s)]) if (rank, s) in digest and (0, s) in digest else float("nan")
+            for s in steps
+        ]
+        for rank in ranks
+    ]
+    return ranks, steps, matrix
+
+
+def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> None:
+    """One heat map per run: rank (rows) by scheduler step (columns), green where the rank's tree equals rank
+    0's, red where it differs, blank where it has stopped. `runs` maps a title to (output dir, summary)."""
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 0.6 + 1.5 * len(runs)), squeeze=False)
+    cmap = ListedColormap(["#d62728", "#2ca02c"])
+    cmap.set_bad("white")
+    for ax, (title, (out_dir, summary)) in zip(axes[:, 0], runs.items(), strict=True):
+        ranks, steps, matrix = digest_agreement(read_trace(out_dir))
+        ax.imshow(matrix, aspect="auto", cmap=cmap, vmin=0, vmax=1, interpolation="nearest")
+        ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+        first = summary["first_divergence"]
+        status = f"first divergence: step {first['step']} ({first['quantity']})" if first else "ranks agree"
+        if summary["crashed"]:
+            status += f"; crashed: {summary['error'][:60]}"
+        ax.set_title(f"{title} — {status}", fontsize=9)
+        ax.set_xlabel("scheduler step")
+    handles = [Patch(color="#2ca02c", label="same tree as rank 0"), Patch(color="#d62728", label="differs")]
+    axes[0][0].legend(handles=handles, fontsize=7, loc="upper right")
+    _save(fig, path)
+
+
+TIERS = (("cached_device", "device (L1)", "#4c72b0"), ("cached_host", "host (L2)", "#55a868"))
+TIERS += (("cached_storage", "storage (L3)", "#dd8452"),)
+
+
+def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
+    """One panel per run: per round, the share of prompt tokens found on each tier (stacked), and the
+    infinite-cache bound."""
+    fig, axes = plt.subplots(1, len(summaries), figsize=(4 * len(summaries), 3.6), sharey=True, squeeze=False)
+    for ax, (label, summary) in zip(axes[0], summaries.items(), strict=True):
+        rows = summary["rounds"]
+        rounds = [r["round"] for r in rows]
+        bottom = [0.0] * len(rows)
+        for key, name, color in TIERS:
+            share = [100 * r[key] / r["prompt_tokens"] for r in rows]
+            ax.bar(rounds, share, bottom=bottom, color=color, label=name)
+            bottom = [b + s for b, s in zip(bottom, share, strict=True)]
+        ax.plot(rounds, [100 * r["upper_bound_hit_rate"] for r in rows], "k:", marker=".", label="infinite cache")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylim(0, 100)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("prompt tokens found in cache (%)")
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    _save(fig, path)
+
+
+NODE_COLORS = {"device": "#4c72b0", "device+host": "#55a868", "host": "#dd8452"}
+
+
+def draw_tree(ax, tree, title: str = "", legend: bool = True) -> None:
+    """The radix tree, root at the top: one box per node, coloured by tier; its first tokens, its length, and
+    its lock count (a bold edge while locked)."""
+    from matplotlib.patches import Patch
+
+    positions, leaves = {}, [0]
+
+    def place(node, depth: int) -> float:
+        children = sorted(node.children.values(), key=lambda n: n.key)
+        if children:
+            x = sum(place(c, depth + 1) for c in children) / len(children)
+        else:
+            x, leaves[0] = leaves[0], leaves[0] + 1
+        positions[node.id] = (x, -depth)
+        return x
+
+    place(tree.root, 0)
+    for node in tree.nodes():
+        (x, y), (px, py) = positions[node.id], positions[node.parent.id]
+        ax.plot([px, x], [py, y], color="0.6", lw=1, zorder=1)
+    ax.annotate("root", positions[tree.root.id], ha="center", va="center", fontsize=8)
+    for node in tree.nodes():
+        state = "host" if node.evicted else ("device+host" if node.backuped else "device")
+        label = f"{node.key[0]}…  {len(node.key)} tok" + (f"\nlock {node.lock_ref}" if node.lock_ref else "")
+        box = {"boxstyle": "round", "fc": NODE_COLORS[state], "ec": "black", "lw": 2.5 if node.lock_ref else 0.5}
+        ax.annotate(label, positions[node.id], ha="center", va="center", fontsize=7, color="white", bbox=box)
+    xs = [x for x, _ in positions.values()]
+    ax.set_xlim(min(xs) - 0.8, max(xs) + 0.8)
+    ax.set_ylim(min(y for _, y in positions.values()) - 0.6, 0.5)
+    ax.set_title(title, fontsize=9)
+    ax.axis("off")
+    if legend:
+        ax.legend(handles=[Patch(color=c, label=s) for s, c in NODE_COLORS.items()], fontsize=7, loc="upper left")
+
+
+def plot_sync_cost(results, path: Path) -> None:
+    """From bench/agreement_cost.py's long table (part, pp, variant, metric, value, ...): left, scheduler step
+    time by sync mode; right, microseconds per call of the relay, a barrier and an all-reduce as PP grows."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    steps = results[(results["part"] == "step_time") & (results["metric"] == "mean_step_ms_common")]
+    if len(steps):
+        by_mode = steps.groupby("variant")["value"].median()
+        left.bar(by_mode.index, by_mode.values, color=["#4c72b0", "#dd8452", "#55a868"][: len(by_mode)])
+        left.set_ylabel("mean scheduler step (ms), median of runs")
+        left.set_title("what the agreement costs per step (PP=2, same steps)", fontsize=9)
+    prims = results[(results["part"] == "pp_agreement") & (results["metric"] == "us_per_call")]
+    if len(prims):
+        first = prims[prims["rank"] == 0].groupby(["variant", "pp"])["value"].median()
+        for variant in first.index.get_level_values(0).unique():
+            series = first[variant]
+            right.plot(series.index, series.values, "o-", label=f"{variant} (rank 0)")
+        right.set_xlabel("pipeline stages (PP)")
+        right.set_ylabel("µs per call, median")
+        right.set_xticks(sorted(prims["pp"].unique()))
+        right.set_title("relay vs barrier vs all-reduce over the PP group", fontsize=9)
+        right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3, axis="y")
+    _save(fig, path)
+
+
 def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> None:
     """Hit rate by round: this lab run (and its infinite-cache bound) beside SGLang bench_multiturn runs."""
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -117,7 +254,4 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)

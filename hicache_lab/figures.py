@@ -1,0 +1,154 @@
+"""`python -m hicache_lab figures`: regenerate every figure in figures/ from live runs (and the benchmark CSV).
+
+* pp_queue_divergence.png - acks each PP stage consumed, step by step, legacy vs fixed (PP=2)
+* hit_rate_by_round.png   - L1 only, L1 + L2 legacy, L1 + L2 fixed (PP=2), against the infinite-cache bound
+* digest_agreement.png    - which ranks hold rank 0's tree at every step, PP=2 and PP=3, legacy vs fixed
+* hit_rate_by_tier.png    - one rank whose history outgrows device and host: L1, L1 + L2, L1 + L2 + L3
+* hicache_tree.png        - one rank's tree as write-through, eviction and load-back change it
+* sync_cost.png           - bench/results/agreement_cost.csv (from `python -m bench.agreement_cost`), if present
+
+`--quick` uses a small workload (seconds, for CI); the committed figures use the demo's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from .config import CacheConfig, ParallelConfig, RunConfig, WorkloadConfig
+from .launch import run
+from .plots import (
+    draw_tree,
+    plot_digest_agreement,
+    plot_hit_rate_by_tier,
+    plot_hit_rates,
+    plot_queue_divergence,
+    plot_sync_cost,
+)
+
+SYNC_COST_CSV = Path("bench/results/agreement_cost.csv")
+FILES = (
+    "pp_queue_divergence.png",
+    "hit_rate_by_round.png",
+    "digest_agreement.png",
+    "hit_rate_by_tier.png",
+    "hicache_tree.png",
+    "sync_cost.png",
+)
+
+
+def base_config(quick: bool) -> RunConfig:
+    """The demo's model and workload; quick: the test suite's small one (a 256-token device pool)."""
+    if not quick:
+        return RunConfig()
+    return RunConfig(
+        cache=CacheConfig(max_total_tokens=256),
+        workload=WorkloadConfig(
+            num_clients=4, num_rounds=4, request_length=32, sub_question_input_length=16, output_length=8
+        ),
+    )
+
+
+def variant(base: RunConfig, pp: int = 1, sync: str = "fixed", **cache) -> RunConfig:
+    return dataclasses.replace(
+        base,
+        cache=dataclasses.replace(base.cache, **cache),
+        parallel=dataclasses.replace(base.parallel, pp=pp, sync=sync),
+    )
+
+
+def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
+    worlds = {}  # (pp, sync) -> (output dir, summary)
+    for pp in (2, 3):
+        for sync in ("legacy", "fixed"):
+            cfg = variant(base, pp, sync, enable_hierarchical_cache=True)
+            worlds[pp, sync] = (runs_dir / f"pp{pp}_{sync}", run(cfg, runs_dir / f"pp{pp}_{sync}", verbose=False))
+    l1_only = run(variant(base, 2), runs_dir / "pp2_l1", verbose=False)
+    plot_queue_divergence({f"--pp 2 --sync {sync}": worlds[2, sync] for sync in ("legacy", "fixed")}, out / FILES[0])
+    hit_rates = {"L1 only": l1_only, "L1 + L2, legacy sync": worlds[2, "legacy"][1]}
+    plot_hit_rates({**hit_rates, "L1 + L2, fixed sync": worlds[2, "fixed"][1]}, out / FILES[1])
+    plot_digest_agreement({f"--pp {pp} --sync {sync}": world for (pp, sync), world in worlds.items()}, out / FILES[2])
+
+
+def tier_config(device: str = "cpu", **cache) -> RunConfig:
+    """One rank, eight conversations of five turns over a 256-token device pool: from round 2 the histories
+    outgrow the host pool too (ratio 2), so the storage tier finds what the host had to drop."""
+    workload = WorkloadConfig(num_clients=8, num_rounds=5, request_length=32, sub_question_input_length=16)
+    return RunConfig(
+        cache=CacheConfig(max_total_tokens=256, **cache),
+        workload=dataclasses.replace(workload, output_length=8),
+        parallel=ParallelConfig(device=device),
+    )
+
+
+TIER_CACHES = {
+    "L1": {},
+    "L1 + L2": {"enable_hierarchical_cache": True},
+    "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 16},
+}
+
+
+def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dict]:
+    summaries = {
+        label: run(tier_config(device, **cache), runs_dir / f"tier_{i}", verbose=False)
+        for i, (label, cache) in enumerate(TIER_CACHES.items())
+    }
+    plot_hit_rate_by_tier(summaries, out / FILES[3])
+    return summaries
+
+
+def tree_figure(out: Path) -> None:
+    from .tour import OneRank
+
+    rank = OneRank()
+    a, b, c = list(range(100, 116)), list(range(100, 108)) + list(range(200, 208)), list(range(300, 324))
+    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    rank.serve(a)
+    draw_tree(axes[0], rank.tree, "1. A served: its host write in flight\n(locked until the ack is consumed)")
+    rank.step()
+    rank.serve(b)
+    rank.step()
+    draw_tree(axes[1], rank.tree, "2. B shares A's first 8 tokens: split;\nacks consumed, both backed up", legend=False)
+    rank.serve(c)
+    draw_tree(axes[2], rank.tree, "3. C needs room: A's and B's tails\nevicted to host-only", legend=False)
+    rank.step()
+    rank.serve(a + [1, 2, 3, 4])
+    draw_tree(axes[3], rank.tree, "4. A again: its tail loaded back\n(locked until the load ack)", legend=False)
+    fig.tight_layout()
+    fig.savefig(out / FILES[4], dpi=120)
+    plt.close(fig)
+
+
+def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "cpu") -> list[Path]:
+    """Every figure into `out`; returns the paths written."""
+    import pandas as pd
+
+    out.mkdir(parents=True, exist_ok=True)
+    base = base_config(quick)
+    base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, device=device))
+    pipeline_figures(base, runs_dir, out)
+    tier_figure(runs_dir, out, device)
+    tree_figure(out)
+    written = [out / name for name in FILES[:5]]
+    if SYNC_COST_CSV.exists():
+        plot_sync_cost(pd.read_csv(SYNC_COST_CSV), out / FILES[5])
+        written.append(out / FILES[5])
+    return written
+
+
+def add_figures_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="figures", help="where the figures go (default: figures)")
+    parser.add_argument("--runs", default="runs/figures", help="where their runs go (default: runs/figures)")
+    parser.add_argument("--quick", action="store_true", help="a small workload: seconds instead of minutes")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def cmd_figures(args: argparse.Namespace) -> int:
+    for path in make_figures(Path(args.out), Path(args.runs), args.quick, args.device):
+        print(f"wrote {path}")
+    if not SYNC_COST_CSV.exists():
+        print(f"skipped {FILES[5]}: no {SYNC_COST_CSV} (run python -m bench.agreement_cost)")
+    return 0

@@ -1,0 +1,86 @@
+"""One rank's HiRadixCache driven by hand, one request at a time (notebooks/01_hicache_tour.ipynb).
+
+`OneRank.serve(tokens)` does what the scheduler does for one request, without a model: match the prefix,
+lock it, load back what only the host holds, allocate slots for the rest (evicting if needed), write its KV,
+insert it (write-through starts the host copy) and unlock. `step()` is the start of the next scheduler step:
+copies due by now finish (virtual latency) and the cache consumes the finished acks. A world of one: the
+agreement calls run on size-1 groups, exactly where they run on many ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .config import CacheConfig, ParallelConfig
+from .controller import HiCacheController
+from .hiradix import HiRadixCache
+from .memory import DeviceKVPool, HostKVPool, PageAllocator
+from .parallel import RankLayout, build_groups
+from .sync import CacheSync
+from .transfer import VirtualCopyEngine
+
+
+class OneRank:
+    def __init__(self, device_tokens: int = 32, host_ratio: float = 2.0, page_size: int = 4, max_delay: int = 1):
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self.cfg = CacheConfig(
+            max_total_tokens=device_tokens,
+            hicache_ratio=host_ratio,
+            page_size=page_size,
+            enable_hierarchical_cache=True,
+            load_back_threshold=page_size,
+            max_copy_delay_steps=max_delay,
+        )
+        self.pool = DeviceKVPool(device_tokens, 2, 1, 2, "cpu")
+        device_alloc = PageAllocator(device_tokens, page_size, "device pool")
+        host_tokens = self.cfg.host_tokens(self.pool.bytes_per_token)
+        host_pool = HostKVPool(host_tokens, self.pool, "layer_first")
+        host_alloc = PageAllocator(host_tokens, page_size, "host pool")
+        self.engine = VirtualCopyEngine(max_delay, seed=0, rank=0)
+        controller = HiCacheController(self.pool, device_alloc, host_pool, host_alloc, self.engine, True)
+        sync = CacheSync("fixed", build_groups(RankLayout(1, 1, 1, 0), ParallelConfig()), ParallelConfig().fixes)
+        self.cache = HiRadixCache(self.cfg, device_alloc, sync, controller)
+        self.tree = self.cache.tree
+        self.steps = 0
+
+    def step(self) -> tuple[int, int]:
+        """The next scheduler step begins: due copies finish; (write acks, load acks) consumed."""
+        self.steps += 1
+        self.engine.advance(self.steps)
+        return self.cache.check_hicache_events()
+
+    def serve(self, tokens: list[int]) -> dict[str, int]:
+        """Serve one request whose whole sequence is `tokens` (page-aligned); how its tokens were found."""
+        key = tuple(tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size])
+        match = self.cache.match_prefix(key)
+        self.tree.inc_lock_ref(match.last_device_node)
+        prefix, last = match.device_indices, match.last_device_node
+        if match.host_hit_length:
+            loaded, last = self.cache.init_load_back(match.last_host_node)
+            prefix = torch.cat([prefix, loaded])
+            self.tree.inc_lock_ref(last)
+            self.tree.dec_lock_ref(match.last_device_node)
+            self.cache.controller.start_loading()
+        own = self.cache.alloc_device(len(key) - len(prefix))
+        k, v = self.pool.buffers(0)
+        k[own], v[own] = 1.0, -1.0  # the "forward pass" writes this request's new KV
+        slots = torch.cat([prefix, own])
+        held = self.cache.insert(key, slots)
+        if held > len(prefix):
+            self.cache.device_alloc.free(slots[len(prefix) : held])
+        self.tree.dec_lock_ref(last)
+        loaded = len(prefix) - len(match.device_indices)
+        return {"device_hit": len(match.device_indices), "loaded_from_host": loaded, "new": len(key) - len(prefix)}
+
+    def pools(self) -> dict[str, int]:
+        c = self.cache
+        return {
+            "device_free": c.device_alloc.available_size(),
+            "device_size": c.device_alloc.size,
+            "host_free": c.controller.host_alloc.available_size(),
+            "host_size": c.controller.host_alloc.size,
+            "write_acks_queued": len(c.controller.ack_write_queue),
+            "load_acks_queued": len(c.controller.ack_load_queue),
+        }
