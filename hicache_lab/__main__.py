@@ -122,6 +122,22 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
     parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
     parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
     parser.add_argument(
+        "--fault",
+        default="",
+        metavar="KIND:RANK@N",
+        help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N (rank R's Nth host write is torn)",
+    )
+    parser.add_argument(
+        "--copy-checksum", action="store_true", help="check every host copy against its source's sha256 (fails at once)"
+    )
+    parser.add_argument(
+        "--pp-layer-partition",
+        type=layer_counts,
+        default=(),
+        metavar="N,N,...",
+        help="layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; default: even, earlier stages take the rest)",
+    )
+    parser.add_argument(
         "--flush-cache-between-rounds", action="store_true", help="drop device and host caches between rounds"
     )
     for verb in ("enable", "disable"):
@@ -142,12 +158,23 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
     )
 
 
+def layer_counts(text: str) -> tuple[int, ...]:
+    """`--pp-layer-partition 1,2` -> (1, 2)."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts, e.g. 1,2") from None
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
     values = {section: {} for section in SECTIONS}
     for flag, section, name, _, _ in FLAGS:
         values[section][name] = getattr(args, flag.lstrip("-").replace("-", "_"))
     values["cache"]["enable_hierarchical_cache"] = args.enable_hierarchical_cache
     values["cache"]["skip_load_wait"] = args.skip_load_wait
+    values["cache"]["copy_checksum"] = args.copy_checksum
+    values["parallel"]["fault"] = args.fault
+    values["parallel"]["pp_layer_partition"] = args.pp_layer_partition
     values["cache"]["flush_between_rounds"] = args.flush_cache_between_rounds
     values["workload"]["round_barrier"] = not args.no_round_barrier
     values["parallel"]["enable_fixes"] = tuple(args.enable_fix)

@@ -21,7 +21,12 @@ SYNC_FIXES = (
     "bounded_drain",
     "prefetch_groups",
     "storage_keys",
+    "multi_hop_relay",
+    "always_agree",
 )
+# Fixes of bugs that came after the code `legacy` stands for: legacy keeps them, so each bug shows alone.
+LEGACY_FIXES = ("always_agree",)
+FAULTS = ("kill-rank", "tear-copy")  # --fault KIND:RANK@N (launch.py, controller.py)
 # What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (sync_impl.py binds it).
 SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
@@ -83,6 +88,7 @@ class CacheConfig:
     max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
     injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
+    copy_checksum: bool = False  # every host copy's destination is checked against its source's sha256 when consumed
     storage_backend: str = "none"  # L3
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
     mooncake_master: str = ""  # HOST:PORT of a running mooncake_master; empty: the run starts one on 127.0.0.1
@@ -189,6 +195,8 @@ class ParallelConfig:
     consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
     enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
+    pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
+    fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy (rank R's Nth host write is torn)
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (sync_impl.py)
 
     def __post_init__(self) -> None:
@@ -211,10 +219,34 @@ class ParallelConfig:
             _check_choice(slot, SYNC_IMPL_SLOTS, "--sync-impl slot")
         slots = [spec.partition("=")[0] for spec in self.sync_impls]
         _check(len(set(slots)) == len(slots), f"--sync-impl names a slot twice ({', '.join(slots)}): keep one each")
+        _check(
+            not self.pp_layer_partition or len(self.pp_layer_partition) == self.pp,
+            f"--pp-layer-partition {','.join(map(str, self.pp_layer_partition))} needs one layer count per stage "
+            f"(--pp {self.pp})",
+        )
+        _check(all(n >= 1 for n in self.pp_layer_partition), "--pp-layer-partition: every stage needs a layer")
+        if self.fault:
+            _, rank, _ = self.fault_spec
+            _check(rank < self.world_size, f"--fault {self.fault}: rank {rank} is not in a world of {self.world_size}")
+            _check(
+                not self.fault.startswith("kill-rank") or self.world_size > 1,
+                "--fault kill-rank needs a world of 2 or more ranks (a single rank runs in the launching process)",
+            )
+
+    @property
+    def fault_spec(self) -> tuple[str, int, int]:
+        """(kind, rank, n) of --fault KIND:RANK@N."""
+        kind, _, where = self.fault.partition(":")
+        rank, _, at = where.partition("@")
+        _check(
+            kind in FAULTS and rank.isdigit() and at.isdigit(),
+            f"--fault {self.fault!r}: write KIND:RANK@N with KIND one of {', '.join(FAULTS)}, e.g. kill-rank:1@20",
+        )
+        return kind, int(rank), int(at)
 
     @property
     def fixes(self) -> frozenset[str]:
-        implied = set(SYNC_FIXES) if self.sync == "fixed" else set()
+        implied = set(SYNC_FIXES) if self.sync == "fixed" else set(LEGACY_FIXES) if self.sync == "legacy" else set()
         return frozenset((implied | set(self.enable_fixes)) - set(self.disable_fixes))
 
     @property
@@ -240,6 +272,11 @@ class RunConfig:
         _check(
             self.model.num_layers >= self.parallel.pp,
             f"--pp {self.parallel.pp} needs at least as many layers (--num-layers {self.model.num_layers})",
+        )
+        partition = self.parallel.pp_layer_partition
+        _check(
+            not partition or sum(partition) == self.model.num_layers,
+            f"--pp-layer-partition {','.join(map(str, partition))} must add up to --num-layers {self.model.num_layers}",
         )
         _check(
             self.model.num_heads % self.parallel.tp == 0,

@@ -8,6 +8,7 @@ cache (hiradix.py) consumes them in FIFO order once the ranks have agreed how ma
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -23,6 +24,11 @@ class HiCacheAck(NamedTuple):
     node_ids: list[int]
     host_indices: torch.Tensor
     device_indices: torch.Tensor
+    checksum: str | None = None  # with --copy-checksum: sha256 of the source, taken when the copy was issued
+
+
+class CopyChecksumError(RuntimeError):
+    """A host copy's destination does not hold what its source held: the copy was torn or misplaced."""
 
 
 @dataclass
@@ -43,6 +49,8 @@ class HiCacheController:
         host_alloc: PageAllocator,
         engine,
         check_copies: bool = False,
+        copy_checksum: bool = False,
+        tear_write: int | None = None,
     ):
         self.device_pool, self.device_alloc = device_pool, device_alloc
         self.host_pool, self.host_alloc = host_pool, host_alloc
@@ -51,6 +59,9 @@ class HiCacheController:
         self.ack_load_queue: list[HiCacheAck] = []
         self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.copy_check = CopyCheck(enabled=check_copies)
+        self.copy_checksum = copy_checksum
+        self.writes_issued = 0
+        self.tear_write = tear_write  # fault injection (--fault tear-copy:R@N): the Nth host write is torn
 
     def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
         return CopyJob(self.host_pool.copy_layers(to_host, self.device_pool, host_idx, device_idx), poison)
@@ -65,7 +76,11 @@ class HiCacheController:
             return None
         poison = partial(self.host_pool.poison, host_indices)
         job = self._job(True, host_indices, device_indices, poison)
-        ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices)
+        if self.writes_issued == self.tear_write:
+            job.layers = job.layers[1:]  # torn: the first layer's destination keeps its poison
+        self.writes_issued += 1
+        checksum = self._checksum(self.device_pool, device_indices) if self.copy_checksum else None
+        ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices, checksum)
         if queue_ack:
             self.ack_write_queue.append(ack)
             return host_indices
@@ -88,12 +103,33 @@ class HiCacheController:
         self.load_queue = []
         poison = partial(self.device_pool.poison, device_idx)
         job = self._job(False, host_idx, device_idx, poison)
-        ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx)
+        checksum = self._checksum(self.host_pool, host_idx) if self.copy_checksum else None
+        ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx, checksum)
         self.ack_load_queue.append(ack)
         return ack.finish_event
 
+    @staticmethod
+    def _checksum(pool, indices: torch.Tensor) -> str:
+        """sha256 of the K and V rows at `indices`, in order, every layer: a copy to the wrong slots, or a layer
+        left out, changes it."""
+        digest = hashlib.sha256()
+        for layer in range(pool.num_layers):
+            for buffer in pool.buffers(layer):
+                digest.update(buffer[indices.to(buffer.device)].cpu().numpy().tobytes())
+        return digest.hexdigest()
+
     def verify(self, ack: HiCacheAck, what: str) -> None:
-        """Compare a finished copy's destination with its source, every layer, K and V."""
+        """A finished copy's destination against its source: the checksum taken at issue (--copy-checksum,
+        raises at once) and, with --check-outputs, a byte-for-byte comparison of every layer (recorded)."""
+        if ack.checksum is not None:
+            into, slots = (self.host_pool, ack.host_indices)
+            if what == "load":
+                into, slots = self.device_pool, ack.device_indices
+            if self._checksum(into, slots) != ack.checksum:
+                raise CopyChecksumError(
+                    f"host {what} of nodes {ack.node_ids} ({len(slots)} tokens) does not match its source's "
+                    "checksum: the copy was torn or went to the wrong slots"
+                )
         check = self.copy_check
         if not check.enabled:
             return

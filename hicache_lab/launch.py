@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, RunConfig
+from .config import ConfigError, ParallelConfig, RunConfig
 from .controller import HiCacheController
 from .hiradix import HiRadixCache
 from .l3 import StorageTier
@@ -44,8 +44,12 @@ from .workload import Feeder, make_workload
 GRACE_S = 2.0  # after the first rank fails, how long the others get to report before they are stopped
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Contiguous layer ranges, earlier stages taking the remainder (4 layers over 3 stages: 2, 1, 1)."""
+def stage_layers(num_layers: int, pp: int, pp_rank: int, partition: tuple[int, ...] = ()) -> range:
+    """Contiguous layer ranges: as `partition` says, or earlier stages taking the remainder (4 layers over
+    3 stages: 2, 1, 1)."""
+    if partition:
+        start = sum(partition[:pp_rank])
+        return range(start, start + partition[pp_rank])
     base, extra = divmod(num_layers, pp)
     start = pp_rank * base + min(pp_rank, extra)
     return range(start, start + base + (pp_rank < extra))
@@ -95,7 +99,7 @@ def build_storage_tier(cfg: RunConfig, groups: Groups, layers: range, cache: HiR
 def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     """Model, pools, copy engine, cache, scheduler and event loop of one rank."""
     m, c, p, layout = cfg.model, cfg.cache, cfg.parallel, groups.layout
-    layers = stage_layers(m.num_layers, p.pp, layout.pp_rank)
+    layers = stage_layers(m.num_layers, p.pp, layout.pp_rank, p.pp_layer_partition)
     model = TinyModel(
         m,
         p.device,
@@ -115,7 +119,16 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
         host_tokens = host_pool_tokens(cfg, pool.bytes_per_token)
         host_pool = HostKVPool(host_tokens, pool, c.host_layout)
         host_alloc = PageAllocator(host_tokens, c.page_size, "host pool")
-        controller = HiCacheController(pool, device_alloc, host_pool, host_alloc, engine, cfg.check_outputs)
+        controller = HiCacheController(
+            pool,
+            device_alloc,
+            host_pool,
+            host_alloc,
+            engine,
+            cfg.check_outputs,
+            c.copy_checksum,
+            fault_here(p, "tear-copy", layout.rank),
+        )
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     cache = HiRadixCache(c, device_alloc, sync, controller)
     install(resolve(p.sync_impls), sync, cache)
@@ -124,7 +137,17 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     scheduler = Scheduler(cache, engine, cfg.workload.max_running_requests, c.skip_load_wait)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
-    return StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
+    loop = StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
+    loop.die_at = fault_here(p, "kill-rank", layout.rank)
+    return loop
+
+
+def fault_here(p: ParallelConfig, kind: str, rank: int) -> int | None:
+    """N of `--fault KIND:RANK@N` when it names this kind of fault and this rank."""
+    if not p.fault:
+        return None
+    fault_kind, fault_rank, n = p.fault_spec
+    return n if (fault_kind, fault_rank) == (kind, rank) else None
 
 
 def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path) -> dict:
@@ -153,9 +176,10 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
         loop.run()
         result["completed"] = True
     except Exception as exc:  # a crash is a result: it goes in the summary
-        result.update(
-            crashed=True, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(), failed_at=time.time()
-        )
+        error = f"{type(exc).__name__}: {exc}"
+        if "Timed out" in str(exc):
+            error = f"collective timed out after --collective-timeout {p.collective_timeout_s:g} s ({error})"
+        result.update(crashed=True, error=error, traceback=traceback.format_exc(), failed_at=time.time())
     if loop is not None:
         loop.trace.close()
         loop.scheduler.engine.close()
@@ -195,8 +219,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_world(cfg: RunConfig, out_dir: Path) -> None:
-    """Start every rank as a process; once one fails, stop the rest after GRACE_S seconds."""
+def spawn_world(cfg: RunConfig, out_dir: Path) -> dict[int, int]:
+    """Start every rank as a process; once one fails, stop the rest after GRACE_S seconds. Returns the exit
+    codes of the ranks that failed first, on their own (not those the launcher stopped)."""
     ctx = multiprocessing.get_context("spawn")
     port = _free_port()
     procs = [
@@ -205,16 +230,18 @@ def spawn_world(cfg: RunConfig, out_dir: Path) -> None:
     ]
     for proc in procs:
         proc.start()
-    failed_at = None
+    failed_at, failed = None, {}
     while any(proc.is_alive() for proc in procs):
-        if failed_at is None and any(proc.exitcode not in (None, 0) for proc in procs):
-            failed_at = time.monotonic()
+        if failed_at is None:
+            failed = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
+            failed_at = time.monotonic() if failed else None
         if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
             for proc in procs:
                 proc.kill()
         time.sleep(0.05)
     for proc in procs:
         proc.join()
+    return failed
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
@@ -240,11 +267,12 @@ def _run_world(cfg: RunConfig, out_dir: Path | None, verbose: bool, started: flo
         out.mkdir(parents=True, exist_ok=True)
         for stale in [*out.glob("rank*.json"), *out.glob("trace_rank*.jsonl")]:
             stale.unlink()
+        failed = {}
         if cfg.parallel.world_size == 1:
             run_rank(cfg, 0, dist.HashStore(), out)
         else:
-            spawn_world(cfg, out)
-        summary = summarize(cfg, out, time.perf_counter() - started)
+            failed = spawn_world(cfg, out)
+        summary = summarize(cfg, out, time.perf_counter() - started, failed)
     if verbose:
         print_summary(summary)
     return summary

@@ -19,6 +19,8 @@ events see different things.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import deque
 
@@ -66,6 +68,7 @@ class StageLoop:
     ):
         self.groups, self.scheduler, self.model, self.pool = groups, scheduler, model, pool
         self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
+        self.die_at: int | None = None  # fault injection (--fault kill-rank:R@N): this rank is killed at step N
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
         self.sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (iteration, handle, the tensor it reads)
@@ -112,6 +115,8 @@ class StageLoop:
         in_flight: deque[Batch] = deque()
         while True:
             iteration = self.iteration
+            if iteration == self.die_at:
+                os.kill(os.getpid(), signal.SIGKILL)  # no exception, no result: as if the process were lost
             if len(in_flight) == self.pp_size:
                 self._finish(in_flight.popleft())
             reqs, new_round, stop = self._exchange_requests()
@@ -215,6 +220,7 @@ class StageLoop:
             digest=cache.tree.digest(),
             device_free=cache.device_alloc.available_size(),
             host_free=cache.controller.host_alloc.available_size() if cache.enabled else 0,
+            relay_sends=len(cache.sync.work_list),
         )
         self.records.append(record)
         if self.trace is not None:

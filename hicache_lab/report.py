@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 from pathlib import Path
 
 from .config import RunConfig
@@ -96,15 +97,23 @@ def _merge_oracles(results: list[dict]) -> dict | None:
     return merged
 
 
-def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float) -> dict:
-    """Merge every rank's result and trace into `summary.json`."""
+def _exit_reason(code: int) -> str:
+    return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+
+
+def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int, int] | None = None) -> dict:
+    """Merge every rank's result and trace into `summary.json`. `failed`: exit codes of the ranks whose process
+    failed first (from the launcher); one of them that left no result is the cause, whatever the others say."""
     results = sorted((json.loads(p.read_text()) for p in Path(out_dir).glob("rank*.json")), key=lambda r: r["rank"])
     reported = {r["rank"] for r in results}
     stopped = [rank for rank in range(cfg.parallel.world_size) if rank not in reported]
     crashed = [r for r in results if r["crashed"]]
     first = min(crashed, key=lambda r: r["failed_at"]) if crashed else None
     error = first["error"] if first else None
-    if stopped and not first:
+    lost = [rank for rank in (failed or {}) if rank in stopped]
+    if lost:
+        first, error = None, f"rank {lost[0]} {_exit_reason(failed[lost[0]])} without a result; the others were stopped"
+    elif stopped and not first:
         error = f"ranks {stopped} ended without a result"
     divergence = first_divergence(read_trace(out_dir))
     oracle = _merge_oracles(results)
@@ -114,7 +123,7 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float) -> dict:
         "completed": not crashed and not stopped,
         "crashed": bool(crashed or stopped),
         "error": error,
-        "failing_rank": first["rank"] if first else (stopped[0] if stopped else None),
+        "failing_rank": first["rank"] if first else (lost or stopped or [None])[0],
         "stopped_ranks": stopped,
         "diverged": divergence is not None,
         "first_divergence": divergence,

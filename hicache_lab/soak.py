@@ -161,9 +161,11 @@ def cmd_soak(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
     tag = args.tag or f"{args.runs}runs_seed{args.seed}"
-    jobs = [(case, mode) for case in draw_cases(args.runs, args.seed, args.max_ranks) for mode in args.modes]
+    cases = draw_cases(args.runs, args.seed, args.max_ranks)
+    jobs = [(case, mode) for mode in args.modes for case in cases]  # mode by mode: a cut-short soak still counts
     rows = []
-    csv_path = results / f"soak_{tag}.csv"
+    csv_path, table_path = results / f"soak_{tag}.csv", results / f"soak_{tag}.md"
+    command = " ".join(["python -m hicache_lab soak", *sys.argv[2:]])
     with ThreadPoolExecutor(args.jobs) as pool, open(csv_path, "w", newline="") as f:
         writer = None
         futures = [pool.submit(run_case, case, mode, out_dir, args.limit_s) for case, mode in jobs]
@@ -178,9 +180,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
             flags = [k for k in ("diverged", "crashed", "hung", "mismatched") if row[k]]
             world = f"tp{row['tp']} cp{row['cp']} pp{row['pp']}"
             print(f"[{done}/{len(jobs)}] case {row['case']} {row['mode']:<6} {world} {','.join(flags) or 'ok'}")
-    table = summarize_rows(rows, args.modes)
-    command = " ".join(["python -m hicache_lab soak", *sys.argv[2:]])
-    (results / f"soak_{tag}.md").write_text(f"# Soak: {len(rows)} runs\n\n`{command}`\n\n{table}\n")
+            table = summarize_rows(rows, args.modes)
+            table_path.write_text(f"# Soak: {done} of {len(jobs)} runs\n\n`{command}`\n\n{table}\n")
     print(table)
     fixed = [r for r in rows if r["mode"] == "fixed"]
     return 1 if any(r[k] for r in fixed for k in ("diverged", "crashed", "hung", "mismatched")) else 0

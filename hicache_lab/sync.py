@@ -22,6 +22,11 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
                         attention-CP, attention-TP and PP groups, not the attention-TP group alone (CP fix).
 * `storage_keys`      - storage keys leave the CP rank out, so CP peers find each other's pages (CP fix;
                         applied where the keys are made, launch.build_stage).
+* `multi_hop_relay`   - the relayed count travels through every stage; without it only stage 1 receives it and
+                        later stages keep their own polls (SGLang #22878: right for 2 stages, wrong for 3+).
+* `always_agree`      - every rank enters the agreement every step; without it a rank that saw nothing finish
+                        returns before the collective its peers wait in (SGLang #28430, #38273: a deadlock).
+                        The code `legacy` stands for agreed every step: legacy keeps this fix.
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
 return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
@@ -44,7 +49,7 @@ def prefetch_group_rank_sets(layout: RankLayout, fixes: frozenset[str]) -> tuple
     Built from attention-CP, attention-TP and (worker only) PP groups; size-1 sets skipped, duplicates made once.
     The prefetch thread may agree across stages (it is off the pipeline); the scheduler relays instead."""
     attention = ("attn_cp", "attn_tp") if "prefetch_groups" in fixes else ("attn_tp",)
-    pipeline = ("pp",) if "pp_relay" in fixes else ()
+    pipeline = ("pp",) if "prefetch_groups" in fixes else ()
     rank_lists = layout.group_rank_lists()
     return tuple(
         list(dict.fromkeys(tuple(r) for kind in kinds for r in rank_lists[kind] if len(r) > 1))
@@ -56,6 +61,7 @@ class CacheSync:
     def __init__(self, mode: str, groups: Groups, fixes: frozenset[str], storage: bool = False):
         self.mode, self.groups, self.fixes = mode, groups, fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
+        self.relay_stages = self.pp_size if "multi_hop_relay" in fixes else min(self.pp_size, 2)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
         self.prefetch_sync_groups: list = []  # used by the prefetch worker only
         self.prefetch_progress_groups: list = []  # used by the scheduler only
@@ -82,13 +88,14 @@ class CacheSync:
             dist.barrier(group=group)
 
     def _pp_sync(self, data: torch.Tensor) -> None:
-        """One-way relay: receive from the previous stage (blocking), send a clone to the next (async)."""
-        if self.pp_size <= 1:
+        """One-way relay: receive from the previous stage (blocking), send a clone to the next (async). Stages
+        beyond `relay_stages` (without `multi_hop_relay`) are not reached and keep `data` as it is."""
+        if self.pp_size <= 1 or self.pp_rank >= self.relay_stages:
             return
         group = self.groups.pp_cache_group
         if self.pp_rank > 0:
             dist.recv(data, group_src=self.pp_rank - 1, group=group, tag=2)
-        if self.pp_rank + 1 < self.pp_size:
+        if self.pp_rank + 1 < self.relay_stages:
             self.work_list.append(dist.isend(data.clone(), group_dst=self.pp_rank + 1, group=group, tag=2))
 
     def _all_reduce(self, data: torch.Tensor, op) -> None:
@@ -170,13 +177,15 @@ class CacheSync:
 
     def polls_locally(self) -> bool:
         """Whether this rank's own event polls feed the agreement (with the PP fix: PP rank 0 only)."""
-        return "pp_relay" not in self.fixes or self.pp_rank == 0
+        return "pp_relay" not in self.fixes or self.pp_rank == 0 or self.pp_rank >= self.relay_stages
 
     def agree_ack_counts(self, local: dict[str, int]) -> dict[str, int]:
         """How many leading acks of each queue ('write', 'load', 'backup') every rank consumes this step, in one
         collective (SGLang batched its write and load counts: +37% input throughput, #33473)."""
         names = [q for q in local if self.mode != "off" and (q != "load" or "agree_loads" in self.fixes)]
         agreed = dict(local)
+        if "always_agree" not in self.fixes and not any(local.values()):
+            return agreed  # nothing finished here: this rank skips the collective its peers may be waiting in
         if names:
             data = torch.tensor([local[q] for q in names], dtype=torch.int64)
             if "pp_relay" in self.fixes:

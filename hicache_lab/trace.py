@@ -33,6 +33,7 @@ class StepRecord:
     digest: str  # the tree after the step: equal on ranks that took the same decisions
     device_free: int
     host_free: int
+    relay_sends: int = 0  # relay send handles this rank still holds (grows without bound when reaped by polling)
 
 
 class TraceWriter:
