@@ -4,6 +4,10 @@ Real copies finish when they finish, so whether two stages see different acks de
 measures the rate instead of asserting it. Outside `make test` (it takes minutes).
 
     python -m bench.divergence_rate --pp 2 --seeds 10 --delays-ms 0 2 --enable-hierarchical-cache
+    PYTHONPATH=. python -m bench.divergence_rate --tp 2 --pp 2 --device cuda --check-outputs \
+        --enable-hierarchical-cache --hicache-storage-backend file --seeds 2 --delays-ms 1 5 --out DIR/x.csv
+
+Each row also keeps the run's hit rate per round, its mean step time and the first line of any crash.
 """
 
 from __future__ import annotations
@@ -11,7 +15,10 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import platform
 from pathlib import Path
+
+import torch
 
 from hicache_lab.__main__ import add_run_flags, config_from_args
 from hicache_lab.launch import run
@@ -25,11 +32,14 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="seeds per (delay, sync mode)")
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0], help="mean injected delays")
     parser.add_argument("--out", default=str(RESULTS / "divergence_rate.csv"), help="CSV of every run")
+    parser.add_argument("--modes", nargs="+", default=["legacy", "fixed"], help="sync modes to compare")
     args = parser.parse_args()
     base = config_from_args(args)
+    gpus = torch.cuda.device_count() if base.parallel.device == "cuda" else 0
+    machine = f"{gpus}x {torch.cuda.get_device_name()}" if gpus else f"CPU ({platform.machine()})"
     rows = []
     for delay in args.delays_ms:
-        for sync in ("legacy", "fixed"):
+        for sync in args.modes:
             for seed in range(args.seeds):
                 cfg = dataclasses.replace(
                     base,
@@ -38,8 +48,11 @@ def main() -> None:
                     parallel=dataclasses.replace(base.parallel, sync=sync),
                 )
                 s = run(cfg, verbose=False)
+                steps = [r["step_ms"] for r in s["rounds"]]
                 rows.append(
                     {
+                        "machine": machine,
+                        "storage": cfg.cache.storage_backend,
                         "pp": cfg.parallel.pp,
                         "tp": cfg.parallel.tp,
                         "cp": cfg.parallel.cp,
@@ -50,7 +63,9 @@ def main() -> None:
                         "crashed": s["crashed"],
                         "outputs_match_reference": s["outputs_match_reference"],
                         "first_divergence_step": (s["first_divergence"] or {}).get("step"),
-                        "error": (s["error"] or "")[:120],
+                        "hit_rate_by_round": " ".join(f"{r['hit_rate']:.3f}" for r in s["rounds"]),
+                        "mean_step_ms": round(sum(steps) / len(steps), 2) if steps else None,
+                        "error": (s["error"] or "").splitlines()[0][:160] if s["error"] else "",
                     }
                 )
                 print(f"delay {delay} ms, {sync:6}, seed {seed}: diverged={s['diverged']} crashed={s['crashed']}")
@@ -61,7 +76,7 @@ def main() -> None:
         writer.writerows(rows)
     print("\ndelay_ms  sync     diverged  crashed  (of seeds)")
     for delay in args.delays_ms:
-        for sync in ("legacy", "fixed"):
+        for sync in args.modes:
             group = [r for r in rows if r["delay_ms"] == delay and r["sync"] == sync]
             diverged = sum(r["diverged"] or r["crashed"] for r in group)
             print(f"{delay:8g}  {sync:7} {diverged:5}/{len(group)}  {sum(r['crashed'] for r in group):5}/{len(group)}")
