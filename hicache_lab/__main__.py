@@ -30,6 +30,7 @@ from .plots import plot_against_sglang, plot_hit_rates, plot_queue_divergence
 from .report import mean_hit_rate
 from .soak import add_soak_flags, cmd_soak
 from .traces import read_bench_multiturn
+from .zoo import add_zoo_flags, cmd_zoo
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
 FLAGS = [
@@ -276,6 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     soak_parser = commands.add_parser("soak", help="random small worlds in each sync mode, counted by outcome")
     add_soak_flags(soak_parser)
     soak_parser.set_defaults(func=cmd_soak)
+    zoo_parser = commands.add_parser("zoo", help="the bug zoo: list the known failures, or reproduce one with its fix")
+    add_zoo_flags(zoo_parser)
+    zoo_parser.set_defaults(func=cmd_zoo)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

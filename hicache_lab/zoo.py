@@ -1,0 +1,238 @@
+"""The bug zoo: every known failure of this family, reproducible by name, next to its fix.
+
+Each entry is a small world given as `run` flags. Its *broken* run is `--sync fixed` with the entry's fix(es)
+switched off (`--disable-fix NAME`), its *fixed* run the same flags with every fix: same seed, same workload.
+`symptom` reads a run's summary (and trace) and says what went wrong, or None; the broken run must show it,
+the fixed run must not, must complete with identical decisions on every rank and exact outputs.
+
+    python -m hicache_lab zoo                 # the table
+    python -m hicache_lab zoo host_capacity   # run one pair and say what happened
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import pairwise
+from pathlib import Path
+
+from .config import RunConfig
+from .launch import run, stage_layers
+from .storage import storage_suffix
+from .trace import read_trace
+
+# the shared workload: small, and still overflows the device pool so eviction and load-back happen
+BASE_FLAGS = (
+    "--num-layers 3 --max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 4 --request-length 32 "
+    "--sub-question-input-length 16 --output-length 8 --enable-hierarchical-cache --check-outputs "
+    "--collective-timeout 20"
+)
+STORAGE_FLAGS = (
+    "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
+)
+
+
+def diverged(summary: dict, out: Path) -> str | None:
+    """The first step at which ranks differ, and the crash it led to."""
+    words = []
+    if d := summary["first_divergence"]:
+        words.append(f"ranks diverged at step {d['step']} on {d['quantity']} {d['values']}")
+    if summary["crashed"]:
+        words.append(f"rank {summary['failing_rank']} crashed: {summary['error']}")
+    return "; ".join(words) or None
+
+
+def storage_hit_rate(summary: dict) -> float:
+    rows = [r for r in summary["rounds"] if r["round"] > 0]
+    return sum(r["cached_storage"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))
+
+
+def no_storage_hits(summary: dict, out: Path) -> str | None:
+    rate = storage_hit_rate(summary)
+    return f"storage hit rate {rate:.1%}: every prefetch revoked" if summary["completed"] and rate == 0 else None
+
+
+def relay_sends_only_grow(summary: dict, out: Path) -> str | None:
+    """Relay send handles never freed: on every rank that sends, the count never falls during the run."""
+    by_rank: dict[int, list[int]] = {}
+    for row in read_trace(out):
+        by_rank.setdefault(row["rank"], []).append(row["relay_sends"])
+    growing = {r: c[-1] for r, c in by_rank.items() if c[-1] > 0 and all(a <= b for a, b in pairwise(c))}
+    if not growing:
+        return None
+    steps = max(len(c) for c in by_rank.values())
+    return f"relay send handles never freed: {growing} still held after {steps} steps (one per relayed agreement)"
+
+
+def evict_half_of_the_last_stage(storage_dir: Path, flags: str) -> None:
+    """Fill a store with one fixed run, then drop every other page of the last stage's shard, as an L3 that
+    evicts keys independently would: stages then find different leading hits for the same prompt."""
+    run(_config(f"{flags} --hicache-storage-dir {storage_dir}", ()), storage_dir.parent / "fill", verbose=False)
+    cfg = _config(flags, ())
+    m, p = cfg.model, cfg.parallel
+    suffix = storage_suffix(m.seed, 0, p.tp, stage_layers(m.num_layers, p.pp, p.pp - 1))
+    for path in sorted(storage_dir.glob(f"*_{suffix}.bin"))[::2]:
+        path.unlink()
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    failure: str  # what goes wrong, in a line
+    sglang: str  # where SGLang met it
+    flags: str  # the world and anything beyond BASE_FLAGS
+    fixes: tuple[str, ...]  # switched off in the broken run
+    symptom: Callable[[dict, Path], str | None] = diverged
+    expect: str = ""  # a phrase the broken run's symptom contains
+    prepare: Callable[[Path, str], None] | None = None  # builds the store both runs start from (a copy each)
+
+    def command(self, broken: bool) -> str:
+        off = "".join(f" --disable-fix {name}" for name in self.fixes) if broken else ""
+        return f"python -m hicache_lab run {BASE_FLAGS} {self.flags}{off}"
+
+
+ENTRIES = {
+    e.name: e
+    for e in (
+        Entry(
+            "write_acks",
+            "PP stages poll their own host-write events and consume different write acks",
+            "#22607, #27285 (the seed's PP crash)",
+            "--pp 2 --num-rounds 2",
+            ("pp_relay",),
+            expect="on acks_write",
+        ),
+        Entry(
+            "load_acks",
+            "load-back acks consumed as each rank sees them finish, not agreed",
+            "loading_check before the fixes (no sync at all)",
+            "--tp 2 --num-rounds 3",
+            ("agree_loads",),
+            expect="on acks_load",
+        ),
+        Entry(
+            "relay_two_stages_only",
+            "ack counts taken on PP rank 0 but carried only to stage 1: stage 2 keeps its own polls",
+            "#22878 (review: pp_rank == 0 alone breaks with more than 2 stages)",
+            "--pp 3 --num-rounds 3",
+            ("multi_hop_relay",),
+            expect="on acks_write",
+        ),
+        Entry(
+            "storage_hits_per_stage",
+            "stages find different leading storage hits (an L3 that evicted one stage's pages) and agree on "
+            "them only within the stage",
+            "#25148, #27010 (PP + L3: hit counts agreed over the PP group too)",
+            f"--pp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            ("prefetch_groups",),
+            expect="prefetched pages were agreed",
+            prepare=evict_half_of_the_last_stage,
+        ),
+        Entry(
+            "host_capacity",
+            "host pools sized in bytes: stages with fewer layers hold more tokens and evict from the host later",
+            "#29258 (GLM-5.2 tp4 pp4: 8,023,168 vs 7,621,952 host tokens)",
+            "--pp 2 --hicache-size 0.0004",
+            ("host_capacity_min",),
+            expect="is invalid for input of size",
+        ),
+        Entry(
+            "early_return",
+            "a rank that saw nothing finish returns before the collective its peer waits in: deadlock, ended by "
+            "--collective-timeout",
+            "#28430, #38273",
+            "--tp 2 --collective-timeout 5 --num-rounds 2",
+            ("always_agree",),
+            expect="collective timed out after --collective-timeout 5 s",
+        ),
+        Entry(
+            "relay_send_growth",
+            "relay send handles reaped by polling: gloo's is_completed() stays False until wait(), so none is "
+            "ever freed and the list grows with every step",
+            "#28902 (~12 GB/h on PP rank 0), fixed by #28916",
+            "--pp 2 --num-rounds 3",
+            ("bounded_drain",),
+            symptom=relay_sends_only_grow,
+            expect="never freed",
+        ),
+        Entry(
+            "cp_storage_keys",
+            "the CP rank in storage keys: each CP peer finds only the pages it wrote, the MIN of hits is 0",
+            "#20460 (Mooncake suffix)",
+            f"--cp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            ("storage_keys",),
+            symptom=no_storage_hits,
+            expect="storage hit rate 0.0%",
+        ),
+        Entry(
+            "cp_prefetch_termination",
+            "CP peers decide alone when a prefetch may stop waiting and how many pages arrived",
+            "#20460 (CP peers disagreed on prefetch completion and revocation)",
+            f"--cp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            ("prefetch_groups",),
+            expect="CP peers disagree",
+        ),
+    )
+}
+
+
+def _config(flags: str, disabled: tuple[str, ...]) -> RunConfig:
+    from .__main__ import add_run_flags, config_from_args  # the CLI's own parser: entries are `run` flags
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    off = [f"--disable-fix={name}" for name in disabled]
+    return config_from_args(parser.parse_args([*BASE_FLAGS.split(), *flags.split(), *off]))
+
+
+@dataclass
+class Outcome:
+    summary: dict
+    symptom: str | None
+    out: Path = field(repr=False)
+
+
+def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, Outcome]:
+    """The broken and the fixed run of an entry: (broken, fixed)."""
+    out = Path(out)
+    if out.exists():
+        shutil.rmtree(out)
+    store = out / "store"
+    if entry.prepare is not None:
+        entry.prepare(store, entry.flags)
+    outcomes = []
+    for name, disabled in (("broken", entry.fixes), ("fixed", ())):
+        flags = entry.flags
+        if entry.prepare is not None:
+            shutil.copytree(store, out / name / "store")
+            flags += f" --hicache-storage-dir {out / name / 'store'}"
+        summary = run(_config(flags, disabled), out / name, verbose=verbose)
+        outcomes.append(Outcome(summary, entry.symptom(summary, out / name), out / name))
+    return outcomes[0], outcomes[1]
+
+
+def consistent(outcome: Outcome) -> bool:
+    s = outcome.summary
+    return s["completed"] and not s["diverged"] and s["outputs_match_reference"] is True and outcome.symptom is None
+
+
+def add_zoo_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", choices=list(ENTRIES), help="reproduce one entry (default: list them)")
+    parser.add_argument("--out", default="runs/zoo", help="run directories (default: runs/zoo/NAME)")
+
+
+def cmd_zoo(args: argparse.Namespace) -> int:
+    if args.name is None:
+        for e in ENTRIES.values():
+            fixes = ", ".join(e.fixes)
+            print(f"{e.name:<24} fix {fixes:<18} {e.failure}\n{'':<24} SGLang {e.sglang}\n{'':<24} {e.command(True)}")
+        return 0
+    entry = ENTRIES[args.name]
+    print(f"{entry.name}: {entry.failure}\nSGLang: {entry.sglang}")
+    broken, fixed = reproduce(entry, Path(args.out) / entry.name)
+    print(f"\nbroken ({entry.command(True)}):\n  {broken.symptom or 'no symptom (unexpected)'}")
+    verdict = "completed, every rank agrees, outputs exact" if consistent(fixed) else diverged(fixed.summary, fixed.out)
+    print(f"fixed ({entry.command(False)}):\n  {verdict}")
+    return 0 if broken.symptom and consistent(fixed) else 1
