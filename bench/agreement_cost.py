@@ -28,15 +28,16 @@ except `--sync`, replaced by `--sync-modes`):
     python -m bench.agreement_cost
     python -m bench.agreement_cost --num-clients 8 --num-rounds 4 --repeats 5 --pp-sizes 2 4 --calls 5000
 
-How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective at
-all (it only lacks the relay): `legacy` and `off` run the same scheduler path, and fixed/legacy is the whole
-price of the relay (one per step: write, load and backup counts travel together). Step times include waiting for the previous stage, so
-the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never waits (isend only;
-its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last stage's number.
-A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither may appear in
-the scheduler loop (stages are not in lockstep: sync.py). Part 3: the ratio separate/combined is what
-batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed
-machine: compare ratios, not absolute microseconds, and read the per-repeat rows in the CSV for the spread.
+How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective at all
+(it only lacks the relay): `legacy` and `off` run the same scheduler path, and fixed/legacy is the whole price
+of the relay (one per step: write, load and backup counts travel together). Step times include waiting for the
+previous stage, so the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never
+waits (isend only; its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last
+stage's number. A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither
+may appear in the scheduler loop (stages are not in lockstep: sync.py). Part 3: the ratio separate/combined is
+what batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy,
+oversubscribed machine: compare ratios, not absolute microseconds, and read the per-repeat rows in the CSV for
+the spread.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
 block of calls on one rank) and bench/results/agreement_cost.json (machine, arguments, medians and ratios).

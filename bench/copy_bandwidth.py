@@ -90,7 +90,8 @@ def main() -> None:
         for page_size in args.page_sizes:
             dev_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
             host_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
-            mechanism = "dma" if pcie.uses_dma(layout, device.bytes_per_token, host_idx) else "uva"
+            uva = "uva-triton" if pcie.triton is not None else "uva-torch"
+            mechanism = "dma" if pcie.uses_dma(layout, device.bytes_per_token, host_idx) else uva
             for direction, stream, to_host in (("backup", "write", True), ("load", "load", False)):
                 copy = partial(engine_copy, engine, stream, to_host, host, device, host_idx, dev_idx)
                 row = {"layout": layout, "page_size": page_size, "mechanism": mechanism, "direction": direction}
@@ -102,7 +103,7 @@ def main() -> None:
                 rows.append({**row, "bytes": nbytes})
                 one = f"{row['single_GB_s']:6.2f} GB/s ({row['single_ratio']:.3f})"
                 many = f"{row['streamed_GB_s']:6.2f} GB/s ({row['streamed_ratio']:.3f})"
-                label = f"{layout:12} page {page_size:3} {mechanism} {direction:6}"
+                label = f"{layout:12} page {page_size:3} {mechanism:10} {direction:6}"
                 print(f"{label} one batch {one}, {STREAMED} in a row {many}")
     RESULTS.mkdir(exist_ok=True)
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}

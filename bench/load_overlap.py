@@ -10,7 +10,9 @@ each the median wall time from launch to `torch.cuda.synchronize()`:
   l's copy (`wait_layer`, as `TinyModel.forward_layers` does in the lab);
 * serial: the load, a full wait, then the prefill.
 
-Perfect overlap gives overlapped = max(compute, copy); no overlap gives compute + copy.
+Perfect overlap gives overlapped = max(compute, copy); no overlap gives compute + copy. Where Triton is
+installed, each timing is taken twice: with the lab's copy kernel on `pcie.COPY_PROGRAMS` thread blocks, and
+with torch's index kernels (which take the whole GPU).
 
     PYTHONPATH=. python -m bench.load_overlap          # on a CUDA machine
 """
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hicache_lab import pcie
 from hicache_lab.config import ModelConfig
 from hicache_lab.memory import DeviceKVPool, HostKVPool
 from hicache_lab.model import ForwardBatch, TinyModel
@@ -95,15 +98,20 @@ def main() -> None:
     device = DeviceKVPool(size, MODEL.num_layers, MODEL.num_heads, MODEL.head_dim, "cuda")
     host = HostKVPool(max(args.prefixes), device, "layer_first")
     host.kv.normal_()
+    kernels = {f"triton, {pcie.COPY_PROGRAMS} blocks": pcie.triton, "torch index": None}
+    if pcie.triton is None:
+        kernels = {"torch index": None}
     rows = []
-    for prefix in args.prefixes:
-        row = measure(model, device, host, prefix, args.new_tokens, args.repeats)
-        rows.append(row)
-        print(
-            f"prefix {prefix:5} ({row['prefix_GB']:.2f} GB): compute {row['compute_ms']:7.2f} ms  "
-            f"copy {row['copy_ms']:7.2f}  overlapped {row['overlapped_ms']:7.2f}  serial {row['serial_ms']:7.2f}  "
-            f"overlapped/max {row['overlapped_over_max']:.2f}  overlapped/sum {row['overlapped_over_sum']:.2f}"
-        )
+    for kernel, triton in kernels.items():
+        pcie.triton = triton
+        for prefix in args.prefixes:
+            row = {"kernel": kernel, **measure(model, device, host, prefix, args.new_tokens, args.repeats)}
+            rows.append(row)
+            print(
+                f"{kernel:18} prefix {prefix:5} ({row['prefix_GB']:.2f} GB): compute {row['compute_ms']:6.2f} ms  "
+                f"copy {row['copy_ms']:6.2f}  overlapped {row['overlapped_ms']:6.2f}  serial {row['serial_ms']:6.2f}  "
+                f"overlapped/max {row['overlapped_over_max']:.2f}  overlapped/sum {row['overlapped_over_sum']:.2f}"
+            )
     RESULTS.mkdir(exist_ok=True)
     machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
     (RESULTS / "load_overlap.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")

@@ -107,13 +107,10 @@ class HostKVPool:
         return kv[:, layer] if self.layout == "layer_first" else kv[:, :, layer]
 
     def copy_layer(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
-        """One layer's K and V between the pools by one index kernel; on a GPU it reads or writes host memory
-        directly. Indices must be on the pools' device."""
-        host_layer, device_layer = self._layer(self._kv_for_kernels, layer), device.kv[:, layer]
-        if to_host:
-            host_layer[:, host_idx] = device_layer[:, device_idx]
-        else:
-            device_layer[:, device_idx] = host_layer[:, host_idx]
+        """One layer's K and V between the pools by one kernel; on a GPU it reads or writes host memory directly
+        (`pcie.copy_layer`). Indices must be on the pools' device."""
+        host_layer = self._layer(self._kv_for_kernels, layer)
+        pcie.copy_layer(to_host, host_layer, device.kv[:, layer], host_idx, device_idx)
 
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.

@@ -47,10 +47,14 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run it on the device machine)")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-@pytest.mark.parametrize("dma", [False, True], ids=["uva", "dma"])
-def test_gpu_copies_round_trip_exactly(layout, dma, monkeypatch):
-    """Both ways across PCIe (UVA kernels per layer; DMA of page runs with `page_first`), scattered pages."""
+@pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
+def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
+    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`),
+    scattered pages."""
+    dma = mechanism == "dma"
     monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1 if dma else 1 << 40)
+    if mechanism == "uva-torch":
+        monkeypatch.setattr(pcie, "triton", None)
     device = DeviceKVPool(256, 3, num_heads=2, head_dim=8, device="cuda", dtype=torch.bfloat16)
     device.kv.copy_(torch.randn_like(device.kv))
     host = HostKVPool(512, device, layout)
