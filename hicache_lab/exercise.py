@@ -20,7 +20,6 @@ QUANTITIES = {
     "acks_load": "load acks",
     "extend_tokens": "new tokens in its batch",
     "prefix_tokens": "cached tokens in its batch",
-    "digest": "tree (digest)",
 }
 
 
@@ -64,6 +63,8 @@ def explain(summary: dict) -> tuple[bool, str]:
             words.append(
                 f"at step {d['step']} stage {odd} consumed {values[odd]} {what} while stage 0 consumed {values[0]}"
             )
+        elif d["quantity"] == "digest":
+            words.append(f"at step {d['step']} stage {odd}'s tree differs from stage 0's (shape, tiers or locks)")
         else:
             words.append(f"at step {d['step']} stage {odd} and stage 0 differ in {what}: {values[odd]} vs {values[0]}")
     if summary["crashed"]:

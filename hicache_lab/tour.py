@@ -23,7 +23,8 @@ from .transfer import VirtualCopyEngine
 
 class OneRank:
     def __init__(self, device_tokens: int = 32, host_ratio: float = 2.0, page_size: int = 4, max_delay: int = 1):
-        if not dist.is_initialized():
+        self.owns_world = not dist.is_initialized()
+        if self.owns_world:
             dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         self.cfg = CacheConfig(
             max_total_tokens=device_tokens,
@@ -84,3 +85,9 @@ class OneRank:
             "write_acks_queued": len(c.controller.ack_write_queue),
             "load_acks_queued": len(c.controller.ack_load_queue),
         }
+
+    def close(self) -> None:
+        """Leave the world of one (so that a run can start its own in this process)."""
+        self.engine.close()
+        if self.owns_world:
+            dist.destroy_process_group()
