@@ -126,7 +126,8 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
         "--fault",
         default="",
         metavar="KIND:RANK@N",
-        help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N (rank R's Nth host write is torn)",
+        help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's "
+        "Nth host write is torn or lands in the wrong slots)",
     )
     parser.add_argument(
         "--copy-checksum", action="store_true", help="check every host copy against its source's sha256 (fails at once)"

@@ -26,7 +26,7 @@ SYNC_FIXES = (
 )
 # Fixes of bugs that came after the code `legacy` stands for: legacy keeps them, so each bug shows alone.
 LEGACY_FIXES = ("always_agree",)
-FAULTS = ("kill-rank", "tear-copy")  # --fault KIND:RANK@N (launch.py, controller.py)
+FAULTS = ("kill-rank", "tear-copy", "misplace-copy")  # --fault KIND:RANK@N (launch.py, controller.py)
 # What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (sync_impl.py binds it).
 SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
@@ -196,7 +196,7 @@ class ParallelConfig:
     enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
-    fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy (rank R's Nth host write is torn)
+    fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write)
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (sync_impl.py)
 
     def __post_init__(self) -> None:

@@ -50,7 +50,7 @@ class HiCacheController:
         engine,
         check_copies: bool = False,
         copy_checksum: bool = False,
-        tear_write: int | None = None,
+        bad_write: tuple[str, int] | None = None,
     ):
         self.device_pool, self.device_alloc = device_pool, device_alloc
         self.host_pool, self.host_alloc = host_pool, host_alloc
@@ -61,7 +61,7 @@ class HiCacheController:
         self.copy_check = CopyCheck(enabled=check_copies)
         self.copy_checksum = copy_checksum
         self.writes_issued = 0
-        self.tear_write = tear_write  # fault injection (--fault tear-copy:R@N): the Nth host write is torn
+        self.bad_write = bad_write  # fault injection (--fault tear-copy|misplace-copy:R@N): (kind, N)
 
     def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
         return CopyJob(self.host_pool.copy_layers(to_host, self.device_pool, host_idx, device_idx), poison)
@@ -76,8 +76,11 @@ class HiCacheController:
             return None
         poison = partial(self.host_pool.poison, host_indices)
         job = self._job(True, host_indices, device_indices, poison)
-        if self.writes_issued == self.tear_write:
-            job.layers = job.layers[1:]  # torn: the first layer's destination keeps its poison
+        if self.bad_write is not None and self.bad_write[1] == self.writes_issued:
+            if self.bad_write[0] == "tear-copy":
+                job.layers = job.layers[1:]  # the first layer's destination keeps its poison
+            else:  # misplace-copy: every token lands one slot over
+                job = self._job(True, host_indices, device_indices.roll(1), poison)
         self.writes_issued += 1
         checksum = self._checksum(self.device_pool, device_indices) if self.copy_checksum else None
         ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices, checksum)

@@ -127,7 +127,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
             engine,
             cfg.check_outputs,
             c.copy_checksum,
-            fault_here(p, "tear-copy", layout.rank),
+            bad_write(p, layout.rank),
         )
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     cache = HiRadixCache(c, device_alloc, sync, controller)
@@ -140,6 +140,13 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> StageLoop:
     loop = StageLoop(groups, scheduler, model, pool, feeder, trace, p.consensus_check)
     loop.die_at = fault_here(p, "kill-rank", layout.rank)
     return loop
+
+
+def bad_write(p: ParallelConfig, rank: int) -> tuple[str, int] | None:
+    """(kind, N) when `--fault` tears or misplaces this rank's Nth host write."""
+    kind = p.fault.partition(":")[0]
+    n = fault_here(p, kind, rank) if kind in ("tear-copy", "misplace-copy") else None
+    return None if n is None else (kind, n)
 
 
 def fault_here(p: ParallelConfig, kind: str, rank: int) -> int | None:

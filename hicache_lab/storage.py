@@ -55,8 +55,12 @@ class FileStorage:
 
     def batch_exists(self, hashes: list[str]) -> int:
         count = 0
-        while count < len(hashes) and self._path(hashes[count]).exists():
-            count += 1
+        try:
+            while count < len(hashes) and self._path(hashes[count]).exists():
+                count += 1
+        except OSError as exc:  # an unreadable directory: what cannot be looked up is a miss
+            log.warning("storage lookup of %s failed: %s", hashes[count][:12], exc)
+            self.stats["lookup_failures"] += 1
         return count
 
     def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
