@@ -24,6 +24,7 @@ from .config import (
     RunConfig,
     WorkloadConfig,
 )
+from .exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .figures import add_figures_flags, cmd_figures
 from .launch import run, run_under_torchrun
 from .plots import plot_against_sglang, plot_hit_rates, plot_queue_divergence
@@ -281,6 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     zoo_parser = commands.add_parser("zoo", help="the bug zoo: list the known failures, or reproduce one with its fix")
     add_zoo_flags(zoo_parser)
     zoo_parser.set_defaults(func=cmd_zoo)
+    exhaustive_parser = commands.add_parser(
+        "exhaustive", help="every completion timing of a few host writes on 2-3 stages, in each sync mode"
+    )
+    add_exhaustive_flags(exhaustive_parser)
+    exhaustive_parser.set_defaults(func=cmd_exhaustive)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

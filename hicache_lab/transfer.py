@@ -66,13 +66,16 @@ class VirtualCopyEngine:
 
     def submit(self, stream: str, job: CopyJob) -> VirtualEvent:
         job.poison()
-        due = self.step + int(self.rng.integers(0, self.max_delay_steps + 1))
+        due = self.step + self._delay()
         pending = self.pending[stream]
         if pending:
             due = max(due, pending[-1].due)  # a stream completes in order
         event = VirtualEvent(self, stream, job, due)
         pending.append(event)
         return event
+
+    def _delay(self) -> int:
+        return int(self.rng.integers(0, self.max_delay_steps + 1))
 
     def advance(self, step: int) -> None:
         """Complete every copy due at or before `step` (called once at the start of each scheduler step)."""
@@ -97,6 +100,18 @@ class VirtualCopyEngine:
         for pending in self.pending.values():
             while pending:
                 self._complete(pending.pop(0))
+
+
+class ScriptedCopyEngine(VirtualCopyEngine):
+    """The virtual engine with the delays given instead of drawn: copy i completes `delays[i]` steps after it
+    was issued (still in order per stream), so a test can enumerate every completion order."""
+
+    def __init__(self, delays: list[int]):
+        super().__init__(max(delays, default=0), seed=0, rank=0)
+        self.script = list(delays)
+
+    def _delay(self) -> int:
+        return self.script.pop(0)
 
 
 class ThreadEvent:

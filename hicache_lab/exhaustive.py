@@ -1,0 +1,146 @@
+"""Exhaustive check on small worlds: every completion timing of a few in-flight host writes, on every stage.
+
+A gloo world of 2 or 3 pipeline stages (processes; no model) runs the real `CacheSync` and `HiRadixCache` of
+each stage through one scripted schedule: at step i a stage inserts sequence i (write-through starts its host
+copy), and every step it advances the copies, consumes the agreed acks (`check_hicache_events`) and evicts one
+sequence's worth of device slots. Copy i completes d_i steps after it was issued (d_i in 0..max_delay, in order,
+as a stream does: `transfer.ScriptedCopyEngine`), separately on each stage; every combination of the stages'
+distinct completion timings is played in each sync mode. A schedule *breaks* a mode when two stages hold
+different trees (digest: structure, tiers, locks) after any step.
+
+    python -m hicache_lab exhaustive --stages 2 --copies 3 --max-delay 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import multiprocessing
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .config import CacheConfig, ParallelConfig
+from .controller import HiCacheController
+from .hiradix import HiRadixCache
+from .launch import _free_port
+from .memory import DeviceKVPool, HostKVPool, PageAllocator
+from .parallel import RankLayout, build_groups
+from .sync import CacheSync
+from .transfer import ScriptedCopyEngine
+
+SEQ = 4  # tokens per inserted sequence
+TIMEOUT_S = 30
+
+
+def completion_steps(delays: tuple[int, ...]) -> tuple[int, ...]:
+    """The step at whose ack check each copy is seen finished. Copy i is issued at step i, as the scheduler
+    issues writes: when step i starts, before the engine advances to it (it stands at i - 1, or 0 at first),
+    so it is due `delay` steps after that; it is seen at step i at the earliest; a stream completes in order."""
+    due, steps = 0, []
+    for issued, delay in enumerate(delays):
+        due = max(due, issued, max(issued - 1, 0) + delay)
+        steps.append(due)
+    return tuple(steps)
+
+
+def timings(copies: int, max_delay: int) -> list[tuple[int, ...]]:
+    """Delays giving every distinct completion timing of `copies` writes, one each."""
+    found: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for delays in itertools.product(range(max_delay + 1), repeat=copies):
+        found.setdefault(completion_steps(delays), delays)
+    return list(found.values())
+
+
+def play(delays: tuple[int, ...], steps: int, sync: CacheSync) -> list[str]:
+    """One stage through the schedule (the same number of steps on every stage); the digest after each."""
+    copies = len(delays)
+    cfg = CacheConfig(max_total_tokens=SEQ * copies, enable_hierarchical_cache=True, hicache_ratio=2)
+    engine = ScriptedCopyEngine(list(delays))
+    device = DeviceKVPool(cfg.max_total_tokens, 1, 1, 2, "cpu")
+    device_alloc = PageAllocator(cfg.max_total_tokens, 1, "device pool")
+    host_tokens = cfg.host_tokens(device.bytes_per_token)
+    host = HostKVPool(host_tokens, device, "layer_first")
+    controller = HiCacheController(device, device_alloc, host, PageAllocator(host_tokens, 1, "host pool"), engine)
+    cache = HiRadixCache(cfg, device_alloc, sync, controller)
+    digests = []
+    for step in range(steps):
+        if step < copies:
+            cache.insert(tuple(range(step * SEQ + 1, (step + 1) * SEQ + 1)), cache.alloc_device(SEQ))
+        engine.advance(step)
+        cache.check_hicache_events()
+        cache.evict(SEQ)
+        digests.append(cache.tree.digest())
+    sync.drain_async_work()
+    return digests
+
+
+def _stage(rank: int, stages: int, port: int, schedules: list, steps: int, modes: list[str], result: Path) -> None:
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", port, stages, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=timeout)
+    groups = build_groups(RankLayout(1, 1, stages, rank), ParallelConfig(pp=stages, collective_timeout_s=TIMEOUT_S))
+    report = {}
+    for mode in modes:
+        sync = CacheSync(mode, groups, ParallelConfig(pp=stages, sync=mode).fixes)
+        mine = [play(schedule[rank], steps, sync) for schedule in schedules]
+        everyone = [None] * stages
+        dist.all_gather_object(everyone, mine)
+        broken = [s for i, s in enumerate(schedules) if any(d[i] != everyone[0][i] for d in everyone)]
+        report[mode] = {"schedules": len(schedules), "broken": len(broken), "breaking": broken}
+    if rank == 0:
+        result.write_text(json.dumps(report))
+    dist.destroy_process_group()
+
+
+def check(stages: int, copies: int, max_delay: int, modes: list[str]) -> dict:
+    """Play every schedule in each mode: {mode: {schedules, broken, breaking: [per-stage delays, ...]}}."""
+    per_stage = timings(copies, max_delay)
+    schedules = list(itertools.product(per_stage, repeat=stages))
+    ctx = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as scratch:
+        result, port = Path(scratch) / "result.json", _free_port()
+        args = (stages, port, schedules, copies + max_delay + 1, modes, result)
+        procs = [ctx.Process(target=_stage, args=(r, *args)) for r in range(stages)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=TIMEOUT_S * 4)
+            if proc.is_alive():
+                proc.kill()
+        if not result.exists():
+            raise RuntimeError(f"the exhaustive world failed: exit codes {[p.exitcode for p in procs]}")
+        return json.loads(result.read_text())
+
+
+def describe(schedule: list[list[int]]) -> str:
+    """Per stage, the step each copy completes at."""
+    stages = []
+    for s, delays in enumerate(schedule):
+        stages.append(f"stage {s} sees its copies finish at steps {completion_steps(delays)}")
+    return "; ".join(stages)
+
+
+def add_exhaustive_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--stages", type=int, default=2, choices=[2, 3], help="pipeline stages (default 2)")
+    parser.add_argument("--copies", type=int, default=3, help="host writes in flight (default 3)")
+    parser.add_argument("--max-delay", type=int, default=2, help="a copy completes 0..N steps late (default 2)")
+    parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=["off", "legacy", "fixed"])
+    parser.add_argument("--out", default="", help="also write the result as JSON here")
+
+
+def cmd_exhaustive(args: argparse.Namespace) -> int:
+    report = check(args.stages, args.copies, args.max_delay, args.modes)
+    print(f"{args.stages} stages, {args.copies} copies in flight, each 0..{args.max_delay} steps late:")
+    for mode, r in report.items():
+        print(f"  {mode:<7} {r['broken']} of {r['schedules']} schedules give stages different trees")
+        for schedule in r["breaking"][:5]:
+            print(f"          e.g. {describe(schedule)}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        world = {"stages": args.stages, "copies": args.copies, "max_delay": args.max_delay}
+        Path(args.out).write_text(json.dumps({**world, **report}, indent=1) + "\n")
+    return 0 if report.get("fixed", {"broken": 0})["broken"] == 0 else 1
