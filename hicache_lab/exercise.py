@@ -25,7 +25,8 @@ QUANTITIES = {
 
 def exercise_config(pp: int, sync_impls: tuple[str, ...] = (), device: str = "cpu", quick: bool = True) -> RunConfig:
     """The divergence scenario of the test suite: 3 layers over `pp` stages, a device pool of 256 tokens that
-    the conversations overflow by round 3, a host pool 3x larger. Not `quick`: twice the clients and rounds."""
+    the conversations overflow by round 3, a host pool 3x larger. Not `quick`: twice the clients, rounds and
+    device pool."""
     scale = 1 if quick else 2
     return RunConfig(
         model=ModelConfig(num_layers=3),
@@ -57,16 +58,21 @@ def explain(summary: dict) -> tuple[bool, str]:
     words = []
     if d:
         values = {int(rank): v for rank, v in d["values"].items()}  # tp = cp = 1: rank r is stage r
-        what = QUANTITIES[d["quantity"]]
-        odd = next(r for r, v in values.items() if v != values[0])
-        if d["quantity"] in ("acks_write", "acks_load"):
+        first = min(values)
+        odd = next(r for r, v in values.items() if v != values[first])
+        step, quantity = d["step"], d["quantity"]
+        if quantity == "digest":
+            words.append(f"at step {step} stage {odd}'s tree differs from stage {first}'s (shape, tiers or locks)")
+        elif quantity in ("acks_write", "acks_load"):
             words.append(
-                f"at step {d['step']} stage {odd} consumed {values[odd]} {what} while stage 0 consumed {values[0]}"
+                f"at step {step} stage {odd} consumed {values[odd]} {QUANTITIES[quantity]} "
+                f"while stage {first} consumed {values[first]}"
             )
-        elif d["quantity"] == "digest":
-            words.append(f"at step {d['step']} stage {odd}'s tree differs from stage 0's (shape, tiers or locks)")
         else:
-            words.append(f"at step {d['step']} stage {odd} and stage 0 differ in {what}: {values[odd]} vs {values[0]}")
+            words.append(
+                f"at step {step} stage {odd} and stage {first} differ in {QUANTITIES[quantity]}: "
+                f"{values[odd]} vs {values[first]}"
+            )
     if summary["crashed"]:
         error = summary["error"] or ""
         if "Timed out" in error or "timed out" in error:
