@@ -251,10 +251,28 @@ def spawn_world(cfg: RunConfig, out_dir: Path) -> dict[int, int]:
     return failed
 
 
+def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
+    """What the config alone cannot check, checked before any rank starts (ConfigError names the flag)."""
+    m, c, p = cfg.model, cfg.cache, cfg.parallel
+    if p.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
+    for path, flag in (
+        (out_dir, "--out"),
+        (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),
+    ):
+        if path and Path(path).exists() and not Path(path).is_dir():
+            raise ConfigError(f"{flag} {path} is a file: give a directory")
+    if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
+        for stage in range(p.pp):
+            layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
+            c.host_tokens(2 * layers * (m.num_heads // p.tp) * m.head_dim * 4)
+
+
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
     """Run the workload on the whole world; returns (and writes) the merged summary."""
     started = time.perf_counter()
     resolve(cfg.parallel.sync_impls)  # a --sync-impl that cannot load fails here, before any rank starts
+    preflight(cfg, out_dir)
     master = None
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         master, address, url = start_mooncake_master()
@@ -293,6 +311,7 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
     resolve(cfg.parallel.sync_impls)
+    preflight(cfg, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"rank{rank}.json").unlink(missing_ok=True)  # rank 0 counts these to know when all are done
     started = time.perf_counter()

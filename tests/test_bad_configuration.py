@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ConfigError, ModelConfig, RunConfig, WorkloadConfig
+from hicache_lab.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
 
 
 @pytest.mark.parametrize(
@@ -49,3 +49,35 @@ def test_cli_reports_bad_configuration_and_exits_2():
     )
     assert result.returncode == 2
     assert "configuration error" in result.stderr and "--hicache-write-policy" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ParallelConfig(pp=2, fault="kill-rank:9@3"), "rank 9 is not in a world of 2"),
+        (lambda: ParallelConfig(fault="kill-rank:0@3"), "needs a world of 2 or more ranks"),
+        (lambda: ParallelConfig(fault="explode:0@1"), "write KIND:RANK@N"),
+        (lambda: ParallelConfig(pp=3, pp_layer_partition=(1, 2)), "one layer count per stage"),
+        (lambda: RunConfig(parallel=ParallelConfig(pp=2, pp_layer_partition=(2, 3))), "must add up to --num-layers 4"),
+    ],
+)
+def test_bad_fault_or_layer_partition_names_the_flag(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--enable-hierarchical-cache", "--hicache-size", "0.00001"], "raise --hicache-size"),
+        (["--out", "{file}"], "--out {file} is a file"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend=file", "--hicache-storage-dir={file}"], "a file"),
+    ],
+)
+def test_what_only_the_launcher_can_check_still_fails_before_any_rank_starts(args, message, tmp_path, capsys):
+    from hicache_lab.__main__ import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["run", *(a.format(file=a_file) for a in args)]) == 2
+    assert message.format(file=a_file) in capsys.readouterr().err
