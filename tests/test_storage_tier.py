@@ -67,4 +67,6 @@ def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, t
     cfg.cache.latency = "real"  # a backup thread and a prefetch thread per rank, agreeing on their own groups
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
-    assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)  # wait_complete: all of it arrives
+    # wait_complete: what storage holds all arrives; with real threads a backup still in flight when the next
+    # round looks is a (rare) miss, so the rate may fall a little short of the virtual single rank's
+    assert storage_hit(summary) == pytest.approx(single_rank_storage_hit, rel=0.05)
