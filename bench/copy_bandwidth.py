@@ -16,18 +16,15 @@ nodes through). Target: backup and load at page size 64 >= 0.9x the ceiling.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 from functools import partial
-from pathlib import Path
 
 import torch
 
+from bench.gpu import save
 from hicache_lab import pcie
 from hicache_lab.memory import DeviceKVPool, HostKVPool
 from hicache_lab.transfer import CopyJob, CudaCopyEngine
 
-RESULTS = Path(__file__).parent / "results"
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -105,10 +102,7 @@ def main() -> None:
                 many = f"{row['streamed_GB_s']:6.2f} GB/s ({row['streamed_ratio']:.3f})"
                 label = f"{layout:12} page {page_size:3} {mechanism:10} {direction:6}"
                 print(f"{label} one batch {one}, {STREAMED} in a row {many}")
-    RESULTS.mkdir(exist_ok=True)
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
-    (RESULTS / "copy_bandwidth.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {RESULTS / 'copy_bandwidth.json'}")
+    save("copy_bandwidth", rows)
 
 
 if __name__ == "__main__":

@@ -20,20 +20,17 @@ with torch's index kernels (which take the whole GPU).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import time
-from pathlib import Path
 
 import torch
 
+from bench.gpu import save
 from hicache_lab import pcie
 from hicache_lab.config import ModelConfig
 from hicache_lab.memory import DeviceKVPool, HostKVPool
 from hicache_lab.model import ForwardBatch, TinyModel
 from hicache_lab.transfer import CopyJob, CudaCopyEngine
 
-RESULTS = Path(__file__).parent / "results"
 MODEL = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, vocab_size=32000)
 
 
@@ -112,10 +109,7 @@ def main() -> None:
                 f"copy {row['copy_ms']:6.2f}  overlapped {row['overlapped_ms']:6.2f}  serial {row['serial_ms']:6.2f}  "
                 f"overlapped/max {row['overlapped_over_max']:.2f}  overlapped/sum {row['overlapped_over_sum']:.2f}"
             )
-    RESULTS.mkdir(exist_ok=True)
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "platform": platform.platform()}
-    (RESULTS / "load_overlap.json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {RESULTS / 'load_overlap.json'}")
+    save("load_overlap", rows)
 
 
 if __name__ == "__main__":
