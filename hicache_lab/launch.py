@@ -237,17 +237,26 @@ def spawn_world(cfg: RunConfig, out_dir: Path) -> dict[int, int]:
     ]
     for proc in procs:
         proc.start()
-    failed_at, failed = None, {}
+    failed_at, failed, killed = None, {}, False
+
+    def note_failures() -> None:  # every rank that ended badly before the launcher stopped anyone
+        for rank, proc in enumerate(procs):
+            if proc.exitcode not in (None, 0) and rank not in failed:
+                failed[rank] = proc.exitcode
+
     while any(proc.is_alive() for proc in procs):
-        if failed_at is None:
-            failed = {rank: proc.exitcode for rank, proc in enumerate(procs) if proc.exitcode not in (None, 0)}
-            failed_at = time.monotonic() if failed else None
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S:
+        if not killed:
+            note_failures()
+            failed_at = failed_at or (time.monotonic() if failed else None)
+        if failed_at is not None and time.monotonic() - failed_at > GRACE_S and not killed:
             for proc in procs:
                 proc.kill()
+            killed = True
         time.sleep(0.05)
     for proc in procs:
         proc.join()
+    if not killed:
+        note_failures()
     return failed
 
 
