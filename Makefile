@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(PY) -m hicache_lab demo --out runs/demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # Re-execute every notebook in place (quick mode, outputs kept for reading unrun).
 notebooks: $(STAMP)
