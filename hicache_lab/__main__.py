@@ -189,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
+    sglang = read_bench_multiturn(args.compare_sglang) if args.compare_sglang else None  # a bad log fails first
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # started by torchrun
         summary = run_under_torchrun(cfg, Path(args.out))
         if summary is None:
@@ -196,14 +197,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         summary = run(cfg, Path(args.out))
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
-    if args.compare_sglang:
-        compare_with_sglang(summary, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
+    if sglang is not None:
+        compare_with_sglang(summary, sglang, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
     return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
 
 
-def compare_with_sglang(summary: dict, log: str, figure: Path) -> None:
-    """Print this run's hit rate per round beside a bench_multiturn log's, and plot them."""
-    sglang = read_bench_multiturn(log)
+def compare_with_sglang(summary: dict, sglang: list[dict], log: str, figure: Path) -> None:
+    """Print this run's hit rate per round beside a bench_multiturn log's rows, and plot them."""
     print(f"\nhit rate per round: this run vs {log}")
     tags = list(dict.fromkeys(r["tag"] for r in sglang))
     print("round    lab  " + "  ".join(f"{t[:14]:>14}" for t in tags))

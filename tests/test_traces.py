@@ -100,3 +100,19 @@ def test_bench_multiturn_logs_become_rows_per_run_and_round(tmp_path):
     assert rows[1]["ttft_ms"] == pytest.approx(100.0)
     with pytest.raises(ConfigError, match="no 'summary.cache_hit_rate'"):
         read_bench_multiturn(write_lines(tmp_path / "other.jsonl", [{"summary": {"ttft": 1}}]))
+
+
+def test_run_compares_with_a_bench_multiturn_log_and_rejects_another_file_before_running(tmp_path, capsys):
+    from hicache_lab.__main__ import main
+
+    log = write_lines(
+        tmp_path / "log.jsonl",
+        [{"tag": "sglang", "summary": {"cache_hit_rate": 0.3}, "round": {"round_1": {"cache_hit_rate": 0.5}}}],
+    )
+    small = ["--num-clients", "2", "--num-rounds", "2", "--out", str(tmp_path / "run")]
+    assert main(["run", *small, "--compare-sglang", log]) == 0
+    assert "   1  70.5%           50.0%" in capsys.readouterr().out  # the lab's round 1 beside SGLang's
+    assert (tmp_path / "run" / "hit_rate_vs_sglang.png").stat().st_size > 0
+    other = write_lines(tmp_path / "other.jsonl", [{"summary": {}}])
+    assert main(["run", *small[:-1], str(tmp_path / "never"), "--compare-sglang", other]) == 2
+    assert not (tmp_path / "never").exists()
