@@ -67,10 +67,7 @@ def plot_queue_divergence(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
     axes[1][0].set_ylabel("difference from rank 0\n(shaded: trees differ)")
     axes[0][-1].legend(fontsize=7, loc="upper left")
     axes[1][0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
@@ -92,10 +89,7 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def _save(fig, path: Path) -> None:
