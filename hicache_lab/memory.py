@@ -95,7 +95,7 @@ class HostKVPool:
         self.kv = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=on_gpu)
         self.size, self.layout, self.num_layers = size, layout, n
         self.bytes_per_token = device_pool.bytes_per_token
-        # what index kernels address: on a GPU, the same pinned bytes through their device address (UVA)
+        # what copy kernels address: on a GPU, the same pinned bytes through their device address (UVA)
         self._kv_for_kernels = pcie.device_alias(self.kv) if on_gpu else self.kv
         self._helper_stream = torch.cuda.Stream(device_pool.device) if on_gpu else None
 
