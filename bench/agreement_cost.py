@@ -410,7 +410,8 @@ def main() -> None:
     args = parser.parse_args()
     base = config_from_args(args)
     modes = list(dict.fromkeys(args.sync_modes))
-    rows, report = [], {"machine": machine_info(), "args": vars(args)}
+    kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
+    rows, report = [], {"machine": machine_info(), "args": kept}
     started = time.perf_counter()
     if not args.skip_step_time:
         w, p, c = base.workload, base.parallel, base.cache
