@@ -58,11 +58,20 @@ def _lines(path: str, flag: str) -> list[tuple[int, dict]]:
     return rows
 
 
-@functools.lru_cache(maxsize=8)
 def read_mooncake_trace(
     path: str, block_tokens: int, max_output: int, vocab_size: int, seed: int
 ) -> tuple[TraceRequest, ...]:
-    """The trace's requests, scaled to `block_tokens` per hash id, in timestamp order (ties keep file order)."""
+    """The trace's requests, scaled to `block_tokens` per hash id, in timestamp order (ties keep file order).
+    Read once per version of the file (a notebook may rewrite it between runs)."""
+    file = Path(path)
+    version = file.stat().st_mtime_ns if file.is_file() else None
+    return _read_mooncake_trace(path, version, block_tokens, max_output, vocab_size, seed)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_mooncake_trace(
+    path: str, version: int | None, block_tokens: int, max_output: int, vocab_size: int, seed: int
+) -> tuple[TraceRequest, ...]:
     requests = []
     for number, row in _lines(path, "--trace-file"):
         where = f"--trace-file {path}:{number}"

@@ -116,3 +116,14 @@ def test_run_compares_with_a_bench_multiturn_log_and_rejects_another_file_before
     other = write_lines(tmp_path / "other.jsonl", [{"summary": {}}])
     assert main(["run", *small[:-1], str(tmp_path / "never"), "--compare-sglang", other]) == 2
     assert not (tmp_path / "never").exists()
+
+
+def test_a_rewritten_trace_is_read_again(tmp_path):
+    import os
+
+    path = tmp_path / "t.jsonl"
+    write_lines(path, [{"input_length": 16, "hash_ids": [1]}])
+    assert len(read_mooncake_trace(str(path), 16, 8, 256, 0)) == 1
+    write_lines(path, [{"input_length": 16, "hash_ids": [1]}] * 3)
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))  # a later version
+    assert len(read_mooncake_trace(str(path), 16, 8, 256, 0)) == 3
