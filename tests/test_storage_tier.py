@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_lab.launch import run
+from hicache_lab.zoo import storage_hit_rate as storage_hit
 
 
 def storage_world(world_config, tmp_path, **parallel):
@@ -16,11 +17,6 @@ def storage_world(world_config, tmp_path, **parallel):
     cfg.cache.prefetch_threshold = 16
     cfg.cache.flush_between_rounds = True
     return cfg
-
-
-def storage_hit(summary) -> float:
-    rows = [r for r in summary["rounds"] if r["round"] > 0]
-    return sum(r["cached_storage"] for r in rows) / sum(r["prompt_tokens"] for r in rows)
 
 
 @pytest.fixture(scope="module")
