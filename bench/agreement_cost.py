@@ -62,10 +62,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hicache_lab.__main__ import add_run_flags, config_from_args
 from hicache_lab.config import SYNC_MODES, RunConfig
-from hicache_lab.launch import run
-from hicache_lab.trace import read_trace
+from hicache_lab.entrypoints.args import add_run_flags, config_from_args
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.managers.step_trace import read_trace
 
 RESULTS = Path(__file__).parent / "results"
 BATCH_FIELDS = ("kind", "requests", "extend_tokens", "prefix_tokens")  # equal in two runs: same batch

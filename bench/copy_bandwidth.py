@@ -21,9 +21,10 @@ from functools import partial
 import torch
 
 from bench.gpu import save
-from hicache_lab import pcie
-from hicache_lab.memory import DeviceKVPool, HostKVPool
-from hicache_lab.transfer import CopyJob, CudaCopyEngine
+from hicache_lab.mem_cache import pcie
+from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool
+from hicache_lab.mem_cache.memory_pool_host import HostKVPool
 
 LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 

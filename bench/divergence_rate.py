@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from hicache_lab.__main__ import add_run_flags, config_from_args
-from hicache_lab.launch import run
+from hicache_lab.entrypoints.args import add_run_flags, config_from_args
+from hicache_lab.entrypoints.launch import run
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -15,8 +15,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from hicache_lab.__main__ import add_run_flags, config_from_args
-from hicache_lab.launch import run
+from hicache_lab.entrypoints.args import add_run_flags, config_from_args
+from hicache_lab.entrypoints.launch import run
 
 RESULTS = Path(__file__).parent / "results"
 REALISTIC = {

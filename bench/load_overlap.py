@@ -25,11 +25,12 @@ import time
 import torch
 
 from bench.gpu import save
-from hicache_lab import pcie
 from hicache_lab.config import ModelConfig
-from hicache_lab.memory import DeviceKVPool, HostKVPool
+from hicache_lab.mem_cache import pcie
+from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool
+from hicache_lab.mem_cache.memory_pool_host import HostKVPool
 from hicache_lab.model import ForwardBatch, TinyModel
-from hicache_lab.transfer import CopyJob, CudaCopyEngine
 
 MODEL = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, vocab_size=32000)
 

@@ -60,8 +60,8 @@ import numpy as np
 import torch
 
 from hicache_lab.config import ModelConfig, WorkloadConfig
-from hicache_lab.radix import RadixTree
-from hicache_lab.workload import MultiTurnWorkload
+from hicache_lab.managers.workload import MultiTurnWorkload
+from hicache_lab.mem_cache.radix_tree import RadixTree
 
 RESULTS = Path(__file__).parent / "results"
 OPERATIONS = ("match", "insert", "evict")

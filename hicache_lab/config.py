@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
+from .mooncake_trace import trace_lengths
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
@@ -32,10 +35,6 @@ SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the flag to change."""
 
 
 def _check(ok: bool, message: str) -> None:
@@ -170,8 +169,6 @@ class WorkloadConfig:
             _check(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
 
     def _trace_lengths(self) -> tuple[int, ...]:
-        from .traces import trace_lengths  # traces.py imports this module
-
         return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
 
     def longest_sequence(self) -> int:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .config import ModelConfig
-from .memory import DeviceKVPool
-from .parallel import group_rank_and_size
+from .distributed.parallel_state import group_rank_and_size
+from .mem_cache.memory_pool import DeviceKVPool
 
 
 @dataclass

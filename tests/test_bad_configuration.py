@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ConfigError, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from hicache_lab.errors import ConfigError
 
 
 @pytest.mark.parametrize(

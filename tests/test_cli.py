@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from hicache_lab.trace import load_trace
+from hicache_lab.managers.step_trace import load_trace
 
 SMALL = "--num-clients 3 --num-rounds 3 --request-length 24 --sub-question-input-length 8 --output-length 4"
 

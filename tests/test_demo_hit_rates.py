@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from hicache_lab.config import CacheConfig, RunConfig
-from hicache_lab.launch import run
-from hicache_lab.report import mean_hit_rate
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.report import mean_hit_rate
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache_lab.launch import run
-from hicache_lab.trace import read_trace
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.managers.step_trace import read_trace
 
 
 def timeline(cfg, out_dir):

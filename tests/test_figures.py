@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from hicache_lab.figures import FILES
+from hicache_lab.lab.figures import FILES
 
 
 def test_figures_command_writes_every_figure(tmp_path):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from hicache_lab.memory import DeviceKVPool, HostKVPool
-from hicache_lab.radix import page_hashes
-from hicache_lab.storage import FileStorage, storage_suffix
+from hicache_lab.mem_cache.hicache_storage import FileStorage, storage_suffix
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool
+from hicache_lab.mem_cache.memory_pool_host import HostKVPool
+from hicache_lab.mem_cache.radix_tree import page_hashes
 
 
 def host_pool(layout="layer_first"):

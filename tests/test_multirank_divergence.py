@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_lab.launch import run
-from hicache_lab.trace import read_trace
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.managers.step_trace import read_trace
 
 WORLDS = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp3": {"pp": 3}, "pp2_cp2": {"pp": 2, "cp": 2}}
 

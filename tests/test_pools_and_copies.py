@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache_lab import pcie
-from hicache_lab.memory import DeviceKVPool, HostKVPool, PageAllocator
-from hicache_lab.transfer import CopyJob, CudaCopyEngine, ThreadCopyEngine, VirtualCopyEngine
+from hicache_lab.mem_cache import pcie
+from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine, ThreadCopyEngine, VirtualCopyEngine
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool, PageAllocator
+from hicache_lab.mem_cache.memory_pool_host import HostKVPool
 
 
 def filled_device_pool(size=32, layers=2):

@@ -29,13 +29,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES, CacheConfig, ParallelConfig
-from hicache_lab.controller import HiCacheController
-from hicache_lab.hiradix import HiRadixCache
-from hicache_lab.memory import DeviceKVPool, HostKVPool, PageAllocator, PoolExhaustedError
-from hicache_lab.parallel import RankLayout, build_groups
-from hicache_lab.radix import RadixTree, TreeNode, page_hashes
-from hicache_lab.sync import CacheSync
-from hicache_lab.transfer import VirtualCopyEngine
+from hicache_lab.distributed.cache_sync import CacheSync
+from hicache_lab.distributed.parallel_state import RankLayout, build_groups
+from hicache_lab.errors import PoolExhaustedError
+from hicache_lab.mem_cache.cache_controller import HiCacheController
+from hicache_lab.mem_cache.copy_engine import VirtualCopyEngine
+from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool, PageAllocator
+from hicache_lab.mem_cache.memory_pool_host import HostKVPool
+from hicache_lab.mem_cache.radix_tree import RadixTree, TreeNode, page_hashes
 
 DEVICE_TOKENS = 64  # host pool: 2x
 NUM_LAYERS = 2

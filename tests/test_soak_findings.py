@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hicache_lab.launch import run
+from hicache_lab.entrypoints.launch import run
 
 
 def test_a_head_waiting_for_room_held_by_prefetch_anchors_behind_it_does_not_livelock(small_config, tmp_path):

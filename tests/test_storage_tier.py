@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_lab.launch import run
-from hicache_lab.zoo import storage_hit_rate as storage_hit
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 
 
 def storage_world(world_config, tmp_path, **parallel):

@@ -9,8 +9,9 @@ import textwrap
 
 import pytest
 
-from hicache_lab.config import ConfigError, ParallelConfig
-from hicache_lab.exercise import check
+from hicache_lab.config import ParallelConfig
+from hicache_lab.errors import ConfigError
+from hicache_lab.lab.exercise import check
 
 RELAYS = textwrap.dedent(
     """

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ConfigError, RunConfig, WorkloadConfig
-from hicache_lab.launch import run
-from hicache_lab.report import mean_hit_rate
-from hicache_lab.traces import read_bench_multiturn, read_mooncake_trace
+from hicache_lab.config import CacheConfig, RunConfig, WorkloadConfig
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.report import mean_hit_rate
+from hicache_lab.errors import ConfigError
+from hicache_lab.lab.sglang import read_bench_multiturn
+from hicache_lab.mooncake_trace import read_mooncake_trace
 
 SAMPLE = str(Path(__file__).parent.parent / "data" / "mooncake_sample.jsonl")
 

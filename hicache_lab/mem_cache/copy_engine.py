@@ -102,18 +102,6 @@ class VirtualCopyEngine:
                 self._complete(pending.pop(0))
 
 
-class ScriptedCopyEngine(VirtualCopyEngine):
-    """The virtual engine with the delays given instead of drawn: copy i completes `delays[i]` steps after it
-    was issued (still in order per stream), so a test can enumerate every completion order."""
-
-    def __init__(self, delays: list[int]):
-        super().__init__(max(delays, default=0), seed=0, rank=0)
-        self.script = list(delays)
-
-    def _delay(self) -> int:
-        return self.script.pop(0)
-
-
 class ThreadEvent:
     def __init__(self, num_layers: int):
         self.layers = [threading.Event() for _ in range(num_layers)]

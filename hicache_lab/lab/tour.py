@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .config import CacheConfig, ParallelConfig
-from .controller import HiCacheController
-from .hiradix import HiRadixCache
-from .memory import DeviceKVPool, HostKVPool, PageAllocator
-from .parallel import RankLayout, build_groups
-from .sync import CacheSync
-from .transfer import VirtualCopyEngine
+from ..config import CacheConfig, ParallelConfig
+from ..distributed.cache_sync import CacheSync
+from ..distributed.parallel_state import RankLayout, build_groups
+from ..mem_cache.cache_controller import HiCacheController
+from ..mem_cache.copy_engine import VirtualCopyEngine
+from ..mem_cache.hiradix_cache import HiRadixCache
+from ..mem_cache.memory_pool import DeviceKVPool, PageAllocator
+from ..mem_cache.memory_pool_host import HostKVPool
 
 
 class OneRank:

@@ -27,11 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import CacheConfig
-from .memory import HostKVPool, PageAllocator
-from .radix import RadixTree, TreeNode, page_hashes
-from .storage import FileStorage, MooncakeStorage
-from .sync import MAX, CacheSync
+from ..config import CacheConfig
+from ..distributed.cache_sync import MAX, CacheSync
+from .hicache_storage import FileStorage, MooncakeStorage
+from .memory_pool import PageAllocator
+from .memory_pool_host import HostKVPool
+from .radix_tree import RadixTree, TreeNode, page_hashes
 
 STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 

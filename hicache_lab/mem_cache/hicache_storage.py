@@ -22,16 +22,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
-import subprocess
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from .memory import HostKVPool
+from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
 MAGIC = b"HCLP1"  # file format tag: magic, 32-byte sha256 of the payload, payload (float32 K/V of one page)
@@ -195,47 +192,3 @@ class MooncakeStorage:
 
     def close(self) -> None:
         self.store.close()
-
-
-def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:
-    """Start `mooncake_master` on 127.0.0.1 with its HTTP metadata server; returns (process, master address,
-    metadata URL). The caller stops it."""
-    import mooncake  # optional dependency: imported only when asked for
-
-    binary = Path(mooncake.__file__).parent / "mooncake_master"
-    rpc, http, metrics = _free_ports(3)
-    process = subprocess.Popen(
-        [
-            str(binary),
-            f"--port={rpc}",
-            "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while not _listening(rpc) and time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with code {process.returncode}")
-        time.sleep(0.1)
-    return process, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-
-
-def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
-from .launch import run
+from ..config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from ..entrypoints.launch import run
 
 QUANTITIES = {
     "acks_write": "write acks",

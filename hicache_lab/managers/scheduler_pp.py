@@ -27,11 +27,13 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .memory import DeviceKVPool
-from .model import TinyModel
-from .parallel import Groups, group_rank_and_size
-from .scheduler import Batch, Req, Scheduler
-from .trace import StepRecord, TraceWriter
+from ..distributed.parallel_state import Groups, group_rank_and_size
+from ..errors import ConsensusError
+from ..mem_cache.memory_pool import DeviceKVPool
+from ..model import TinyModel
+from .schedule_batch import Batch, Req
+from .scheduler import Scheduler
+from .step_trace import StepRecord, TraceWriter
 from .workload import Feeder
 
 HEADER = 3  # new_round, stop, number of requests
@@ -226,10 +228,6 @@ class StageLoop:
         if self.trace is not None:
             self.trace.write(record)
         return record
-
-
-class ConsensusError(RuntimeError):
-    """Ranks hold different values of a quantity that must be identical on all of them."""
 
 
 CONSENSUS_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "digest")

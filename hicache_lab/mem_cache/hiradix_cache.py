@@ -20,11 +20,12 @@ import heapq
 
 import torch
 
-from .config import CacheConfig
-from .controller import HiCacheController
-from .memory import PageAllocator, PoolExhaustedError
-from .radix import MatchResult, RadixTree, TreeNode
-from .sync import CacheSync
+from ..config import CacheConfig
+from ..distributed.cache_sync import CacheSync
+from ..errors import PoolExhaustedError
+from .cache_controller import HiCacheController
+from .memory_pool import PageAllocator
+from .radix_tree import MatchResult, RadixTree, TreeNode
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel import Groups, RankLayout, group_rank_and_size
+from .parallel_state import Groups, RankLayout, group_rank_and_size
 
 MIN = dist.ReduceOp.MIN
 MAX = dist.ReduceOp.MAX

@@ -7,9 +7,9 @@ import json
 import signal
 from pathlib import Path
 
-from .config import RunConfig
-from .scheduler import Req
-from .trace import StepRecord, first_divergence, read_trace
+from ..config import RunConfig
+from ..managers.schedule_batch import Req
+from ..managers.step_trace import StepRecord, first_divergence, read_trace
 
 
 def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
@@ -137,3 +137,20 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int,
         summary["traceback"] = first["traceback"]
     (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def print_summary(summary: dict) -> None:
+    print(f"equivalent SGLang flags: {summary['sglang_flags']}")
+    print(format_table(summary["rounds"]))
+    if summary["diverged"]:
+        d = summary["first_divergence"]
+        print(f"diverged at step {d['step']} on {d['quantity']}: {d['values']}")
+    if summary["crashed"]:
+        print(f"crashed (rank {summary['failing_rank']}): {summary['error']}")
+    if summary["outputs_match_reference"] is not None:
+        print(f"outputs_match_reference: {summary['outputs_match_reference']}")
+
+
+def storage_hit_rate(summary: dict) -> float:
+    rows = [r for r in summary["rounds"] if r["round"] > 0]
+    return sum(r["cached_storage"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))

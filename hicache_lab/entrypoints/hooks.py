@@ -19,7 +19,7 @@ import sys
 import types
 from collections.abc import Callable
 
-from .config import ConfigError
+from ..errors import ConfigError
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, Callable]:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
-from .controller import CopyCheck
-from .memory import DeviceKVPool
-from .model import ForwardBatch, TinyModel
-from .scheduler import Req
+from ..config import ModelConfig
+from ..managers.schedule_batch import Req
+from ..mem_cache.cache_controller import CopyCheck
+from ..mem_cache.memory_pool import DeviceKVPool
+from ..model import ForwardBatch, TinyModel
 
 LOGIT_ATOL = 1e-3  # fp32 noise from a different summation order is ~1e-5; a wrong KV byte moves logits by ~1
 

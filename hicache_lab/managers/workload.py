@@ -17,10 +17,10 @@ import time
 
 import numpy as np
 
-from .config import WorkloadConfig
-from .radix import page_hashes
-from .scheduler import Req
-from .traces import read_mooncake_trace
+from ..config import WorkloadConfig
+from ..mem_cache.radix_tree import page_hashes
+from ..mooncake_trace import read_mooncake_trace
+from .schedule_batch import Req
 
 
 class MultiTurnWorkload:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from .config import CacheConfig, ParallelConfig, RunConfig, WorkloadConfig
-from .launch import run
+from ..config import CacheConfig, ParallelConfig, RunConfig, WorkloadConfig
+from ..entrypoints.launch import run
 from .plots import (
     draw_tree,
     plot_digest_agreement,

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from .trace import read_trace  # noqa: E402
+from ..managers.step_trace import read_trace  # noqa: E402
 
 
 def _cumulative(rows: list[dict], quantity: str) -> dict[int, list[int]]:

@@ -18,10 +18,13 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-from .config import RunConfig
-from .launch import run, stage_layers
-from .storage import storage_suffix
-from .trace import read_trace
+from ..config import RunConfig
+from ..distributed.parallel_state import stage_layers
+from ..entrypoints.args import add_run_flags, config_from_args
+from ..entrypoints.launch import run
+from ..entrypoints.report import storage_hit_rate
+from ..managers.step_trace import read_trace
+from ..mem_cache.hicache_storage import storage_suffix
 
 # the shared workload: small, and still overflows the device pool so eviction and load-back happen
 BASE_FLAGS = (
@@ -42,11 +45,6 @@ def diverged(summary: dict, out: Path) -> str | None:
     if summary["crashed"]:
         words.append(f"rank {summary['failing_rank']} crashed: {summary['error']}")
     return "; ".join(words) or None
-
-
-def storage_hit_rate(summary: dict) -> float:
-    rows = [r for r in summary["rounds"] if r["round"] > 0]
-    return sum(r["cached_storage"] for r in rows) / max(1, sum(r["prompt_tokens"] for r in rows))
 
 
 def no_storage_hits(summary: dict, out: Path) -> str | None:
@@ -179,8 +177,6 @@ ENTRIES = {
 
 
 def _config(flags: str, disabled: tuple[str, ...]) -> RunConfig:
-    from .__main__ import add_run_flags, config_from_args  # the CLI's own parser: entries are `run` flags
-
     parser = argparse.ArgumentParser()
     add_run_flags(parser)
     off = [f"--disable-fix={name}" for name in disabled]

@@ -15,8 +15,10 @@ from typing import NamedTuple
 
 import torch
 
-from .memory import DeviceKVPool, HostKVPool, PageAllocator
-from .transfer import CopyJob
+from ..errors import CopyChecksumError
+from .copy_engine import CopyJob
+from .memory_pool import DeviceKVPool, PageAllocator
+from .memory_pool_host import HostKVPool
 
 
 class HiCacheAck(NamedTuple):
@@ -25,10 +27,6 @@ class HiCacheAck(NamedTuple):
     host_indices: torch.Tensor
     device_indices: torch.Tensor
     checksum: str | None = None  # with --copy-checksum: sha256 of the source, taken when the copy was issued
-
-
-class CopyChecksumError(RuntimeError):
-    """A host copy's destination does not hold what its source held: the copy was torn or misplaced."""
 
 
 @dataclass

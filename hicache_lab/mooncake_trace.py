@@ -1,4 +1,4 @@
-"""Workloads from outside the lab: Mooncake request traces in, SGLang's bench_multiturn results out.
+"""Mooncake request traces: a workload from outside the lab.
 
 **Mooncake traces** (the FAST'25 release's JSONL: one request per line) look like
 
@@ -8,11 +8,6 @@
 prefix. The lab scales a trace down: each id becomes `--trace-block-tokens` tokens, drawn from a generator
 seeded by the id (equal ids, equal tokens), input and output lengths scale by the same factor, and outputs are
 capped at `--output-length`. Requests are replayed in timestamp order (`workload.TraceWorkload`).
-
-**bench_multiturn results** are the JSONL that SGLang's `benchmark/hicache/bench_multiturn.py` appends to its
-`--log-file`, one line per run: `{"tag", "summary": {"cache_hit_rate", "average_ttft", ...}, "round":
-{"round_0": {"cache_hit_rate", "average_ttft", "request_count"}, ...}}` (the `round` part with
-`--enable-round-barrier`). `read_bench_multiturn` turns them into rows the lab's plots take.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError
+from .errors import ConfigError
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -37,7 +32,7 @@ class TraceRequest:
     output_length: int
 
 
-def _lines(path: str, flag: str) -> list[tuple[int, dict]]:
+def read_jsonl(path: str, flag: str) -> list[tuple[int, dict]]:
     """(line number, object) for every non-blank line; a ConfigError naming `flag` and the line otherwise."""
     file = Path(path)
     if not file.is_file():
@@ -73,7 +68,7 @@ def _read_mooncake_trace(
     path: str, version: int | None, block_tokens: int, max_output: int, vocab_size: int, seed: int
 ) -> tuple[TraceRequest, ...]:
     requests = []
-    for number, row in _lines(path, "--trace-file"):
+    for number, row in read_jsonl(path, "--trace-file"):
         where = f"--trace-file {path}:{number}"
         ids, length = row.get("hash_ids"), row.get("input_length")
         if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
@@ -94,29 +89,3 @@ def _read_mooncake_trace(
 def trace_lengths(path: str, block_tokens: int, max_output: int) -> tuple[int, ...]:
     """Tokens of KV each request holds (prompt plus output), for checking a configuration before any rank runs."""
     return tuple(len(r.prompt) + r.output_length for r in read_mooncake_trace(path, block_tokens, max_output, 2, 0))
-
-
-def read_bench_multiturn(path: str) -> list[dict]:
-    """One row per run and round of a bench_multiturn log: tag, round (None for a run without rounds),
-    hit_rate, ttft_ms, requests."""
-    rows = []
-    for number, run in _lines(path, "bench_multiturn log"):
-        summary = run.get("summary")
-        if not isinstance(summary, dict) or "cache_hit_rate" not in summary:
-            raise ConfigError(
-                f"bench_multiturn log {path}:{number}: no 'summary.cache_hit_rate'; is this bench_multiturn's "
-                "--log-file (a version that reports cache hits)?"
-            )
-        tag = run.get("tag") or f"line {number}"
-        rounds = run.get("round") or {"": {**summary, "request_count": summary.get("total_requests", 0)}}
-        for key, r in sorted(rounds.items(), key=lambda kv: int(kv[0].removeprefix("round_") or -1)):
-            rows.append(
-                {
-                    "tag": tag,
-                    "round": int(key.removeprefix("round_")) if key else None,
-                    "hit_rate": float(r["cache_hit_rate"]),
-                    "ttft_ms": float(r.get("average_ttft", float("nan"))) * 1e3,
-                    "requests": int(r.get("request_count", 0)),
-                }
-            )
-    return rows

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .config import ParallelConfig
+from ..config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,14 @@ def group_rank_and_size(group) -> tuple[int, int]:
 def get_attn_cp_rank_and_size(groups: Groups) -> tuple[int, int]:
     """SGLang's name for it: this rank's attention-CP rank and the CP size, (0, 1) without CP."""
     return group_rank_and_size(groups.attn_cp_group)
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, partition: tuple[int, ...] = ()) -> range:
+    """Contiguous layer ranges: as `partition` says, or earlier stages taking the remainder (4 layers over
+    3 stages: 2, 1, 1)."""
+    if partition:
+        start = sum(partition[:pp_rank])
+        return range(start, start + partition[pp_rank])
+    base, extra = divmod(num_layers, pp)
+    start = pp_rank * base + min(pp_rank, extra)
+    return range(start, start + base + (pp_rank < extra))

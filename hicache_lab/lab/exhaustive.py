@@ -23,17 +23,30 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .config import CacheConfig, ParallelConfig
-from .controller import HiCacheController
-from .hiradix import HiRadixCache
-from .launch import _free_port
-from .memory import DeviceKVPool, HostKVPool, PageAllocator
-from .parallel import RankLayout, build_groups
-from .sync import CacheSync
-from .transfer import ScriptedCopyEngine
+from ..config import CacheConfig, ParallelConfig
+from ..distributed.cache_sync import CacheSync
+from ..distributed.parallel_state import RankLayout, build_groups
+from ..entrypoints.launch import free_ports
+from ..mem_cache.cache_controller import HiCacheController
+from ..mem_cache.copy_engine import VirtualCopyEngine
+from ..mem_cache.hiradix_cache import HiRadixCache
+from ..mem_cache.memory_pool import DeviceKVPool, PageAllocator
+from ..mem_cache.memory_pool_host import HostKVPool
 
 SEQ = 4  # tokens per inserted sequence
 TIMEOUT_S = 30
+
+
+class ScriptedCopyEngine(VirtualCopyEngine):
+    """The virtual engine with the delays given instead of drawn: copy i completes `delays[i]` steps after it
+    was issued (still in order per stream), so a test can enumerate every completion order."""
+
+    def __init__(self, delays: list[int]):
+        super().__init__(max(delays, default=0), seed=0, rank=0)
+        self.script = list(delays)
+
+    def _delay(self) -> int:
+        return self.script.pop(0)
 
 
 def completion_steps(delays: tuple[int, ...]) -> tuple[int, ...]:
@@ -102,7 +115,7 @@ def check(stages: int, copies: int, max_delay: int, modes: list[str]) -> dict:
     schedules = list(itertools.product(per_stage, repeat=stages))
     ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as scratch:
-        result, port = Path(scratch) / "result.json", _free_port()
+        result, (port,) = Path(scratch) / "result.json", free_ports(1)
         args = (stages, port, schedules, copies + max_delay + 1, modes, result)
         procs = [ctx.Process(target=_stage, args=(r, *args)) for r in range(stages)]
         for proc in procs:

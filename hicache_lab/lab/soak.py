@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import PREFETCH_POLICIES, WRITE_POLICIES
+from ..config import PREFETCH_POLICIES, WRITE_POLICIES
 
 
 @dataclass

@@ -1,0 +1,103 @@
+"""SGLang beside the lab: its own synchronization source (notebooks 02 and 03, where `sglang` is importable),
+and its bench_multiturn results beside a run's hit rates (`run --compare-sglang LOG`).
+
+SGLang moved HiCache between releases (`mem_cache/hiradix_cache.py`; in 0.5.23 `mem_cache/unified_radix_cache.py`),
+so methods are looked up by name in every class of the modules that exist.
+
+**bench_multiturn results** are the JSONL that SGLang's `benchmark/hicache/bench_multiturn.py` appends to its
+`--log-file`, one line per run: `{"tag", "summary": {"cache_hit_rate", "average_ttft", ...}, "round":
+{"round_0": {"cache_hit_rate", "average_ttft", "request_count"}, ...}}` (the `round` part with
+`--enable-round-barrier`). `read_bench_multiturn` turns them into rows the lab's plots take.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib
+import inspect
+from pathlib import Path
+
+from ..errors import ConfigError
+from ..mooncake_trace import read_jsonl
+from .plots import plot_against_sglang
+
+SGLANG_MODULES = (
+    "sglang.srt.mem_cache.hiradix_cache",
+    "sglang.srt.mem_cache.unified_radix_cache",
+    "sglang.srt.managers.cache_controller",
+)
+
+
+def sglang_methods(names: tuple[str, ...]) -> dict[str, str] | None:
+    """{"module.Class.method": source} for every method called one of `names`; None without sglang."""
+    try:
+        importlib.import_module("sglang")
+    except ImportError:
+        return None
+    found = {}
+    for module_name in SGLANG_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # a module of another release, or one needing a GPU at import
+            continue
+        for class_name, cls in inspect.getmembers(module, inspect.isclass):
+            for name in names:
+                if cls.__module__ == module_name and name in vars(cls):
+                    found[f"{module_name}.{class_name}.{name}"] = inspect.getsource(vars(cls)[name])
+    return found
+
+
+def side_by_side(ours: list, names: tuple[str, ...]) -> str:
+    """HTML: the lab's functions on the left, SGLang's methods of those names on the right (or why not)."""
+    left = "\n\n".join(inspect.getsource(fn) for fn in ours)
+    theirs = sglang_methods(names)
+    if theirs is None:
+        right = "sglang is not importable here: its source is skipped.\n(environment-gpu.yml installs it.)"
+    else:
+        right = "\n\n".join(f"# {where}\n{source}" for where, source in theirs.items()) or f"no method named {names}"
+    cell = '<td style="vertical-align:top;text-align:left"><pre style="font-size:11px">{}</pre></td>'
+    return (
+        "<table><tr><th>hicache_lab</th><th>SGLang</th></tr><tr>"
+        + cell.format(html.escape(left))
+        + cell.format(html.escape(right))
+        + "</tr></table>"
+    )
+
+
+def read_bench_multiturn(path: str) -> list[dict]:
+    """One row per run and round of a bench_multiturn log: tag, round (None for a run without rounds),
+    hit_rate, ttft_ms, requests."""
+    rows = []
+    for number, run in read_jsonl(path, "bench_multiturn log"):
+        summary = run.get("summary")
+        if not isinstance(summary, dict) or "cache_hit_rate" not in summary:
+            raise ConfigError(
+                f"bench_multiturn log {path}:{number}: no 'summary.cache_hit_rate'; is this bench_multiturn's "
+                "--log-file (a version that reports cache hits)?"
+            )
+        tag = run.get("tag") or f"line {number}"
+        rounds = run.get("round") or {"": {**summary, "request_count": summary.get("total_requests", 0)}}
+        for key, r in sorted(rounds.items(), key=lambda kv: int(kv[0].removeprefix("round_") or -1)):
+            rows.append(
+                {
+                    "tag": tag,
+                    "round": int(key.removeprefix("round_")) if key else None,
+                    "hit_rate": float(r["cache_hit_rate"]),
+                    "ttft_ms": float(r.get("average_ttft", float("nan"))) * 1e3,
+                    "requests": int(r.get("request_count", 0)),
+                }
+            )
+    return rows
+
+
+def compare_with_sglang(summary: dict, sglang: list[dict], log: str, figure: Path) -> None:
+    """Print this run's hit rate per round beside a bench_multiturn log's rows, and plot them."""
+    print(f"\nhit rate per round: this run vs {log}")
+    tags = list(dict.fromkeys(r["tag"] for r in sglang))
+    print("round    lab  " + "  ".join(f"{t[:14]:>14}" for t in tags))
+    for row in summary["rounds"]:
+        theirs = {r["tag"]: r["hit_rate"] for r in sglang if r["round"] == row["round"]}
+        cells = "  ".join(f"{theirs[t]:14.1%}" if t in theirs else f"{'-':>14}" for t in tags)
+        print(f"{row['round']:5} {row['hit_rate']:6.1%}  {cells}")
+    plot_against_sglang(summary, sglang, figure)
+    print(f"figure: {figure}")
