@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .entrypoints.args import add_run_flags, config_from_args
 from .entrypoints.launch import run, run_under_torchrun
-from .entrypoints.report import mean_hit_rate
+from .entrypoints.report import divergence_words, mean_hit_rate
 from .errors import ConfigError
 from .lab.exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .lab.figures import add_figures_flags, cmd_figures
@@ -58,10 +58,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nmean hit rate, rounds 4-7 (infinite cache: {bound:.1%}):")
     for name, label, _, _ in DEMO_RUNS:
         summary = summaries[name]
-        verdict = "completed, ranks agree" if not summary["diverged"] else ""
-        if summary["diverged"]:
-            d = summary["first_divergence"]
-            verdict = f"ranks diverged at step {d['step']} on {d['quantity']} {d['values']}"
+        verdict = divergence_words(summary) or "completed, ranks agree"
         if summary["crashed"]:
             verdict += f"; crashed on rank {summary['failing_rank']}: {summary['error']}"
         hit = "   n/a" if summary["crashed"] else f"{mean_hit_rate(summary['rounds'], 4, 7):6.1%}"

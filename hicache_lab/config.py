@@ -15,7 +15,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 SYNC_MODES = ("off", "legacy", "fixed")
-# The fixes `fixed` applies and `legacy` lacks; each can be switched alone (sync.py says what each does).
+# The fixes `fixed` applies and `legacy` lacks; each can be switched alone (cache_sync.py says what each does).
 SYNC_FIXES = (
     "pp_relay",
     "cp_groups",
@@ -29,8 +29,8 @@ SYNC_FIXES = (
 )
 # Fixes of bugs that came after the code `legacy` stands for: legacy keeps them, so each bug shows alone.
 LEGACY_FIXES = ("always_agree",)
-FAULTS = ("kill-rank", "tear-copy", "misplace-copy")  # --fault KIND:RANK@N (launch.py, controller.py)
-# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (sync_impl.py binds it).
+FAULTS = ("kill-rank", "tear-copy", "misplace-copy")  # --fault KIND:RANK@N (entrypoints/hooks.py)
+# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (entrypoints/hooks.py binds it).
 SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -156,7 +156,7 @@ class WorkloadConfig:
     max_running_requests: int = 16  # admission limit of a batch
     round_barrier: bool = True
     seed: int = 0
-    trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (traces.py)
+    trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (mooncake_trace.py)
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
 
     def __post_init__(self) -> None:
@@ -194,7 +194,7 @@ class ParallelConfig:
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
     fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write)
-    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (sync_impl.py)
+    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
 
     def __post_init__(self) -> None:
         for name in ("tp", "cp", "pp"):

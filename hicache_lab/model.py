@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .config import ModelConfig
 from .distributed.parallel_state import group_rank_and_size
+from .mem_cache.base import CopyEvent
 from .mem_cache.memory_pool import DeviceKVPool
 
 
@@ -31,8 +32,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [N] device slots receiving the new tokens' K/V
     seq_slots: list[torch.Tensor]  # per request: slots of its whole sequence so far, new tokens included
     extend_lens: list[int]
-    load_event: object = None  # layer-wise load to wait on before attention reads the pool
-    skip_load_wait: bool = False  # fault injection: read without waiting
+    load_event: CopyEvent | None = None  # layer-wise load to wait on before attention reads the pool
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,13 +47,13 @@ class TinyModel:
         layers: range | None = None,
         tp_rank: int = 0,
         tp_size: int = 1,
-        tp_group=None,
-        cp_group=None,
+        attn_tp_group=None,
+        attn_cp_group=None,
     ):
         self.cfg, self.device = cfg, torch.device(device)
         self.layers = layers if layers is not None else range(cfg.num_layers)
-        self.tp_size, self.tp_group, self.cp_group = tp_size, tp_group, cp_group
-        self.cp_rank, self.cp_size = group_rank_and_size(cp_group)
+        self.tp_size, self.attn_tp_group, self.attn_cp_group = tp_size, attn_tp_group, attn_cp_group
+        self.cp_rank, self.cp_size = group_rank_and_size(attn_cp_group)
         g = torch.Generator().manual_seed(cfg.seed)
         d, f, v = cfg.hidden_size, cfg.mlp_size, cfg.vocab_size
 
@@ -90,7 +90,7 @@ class TinyModel:
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+            dist.all_reduce(x, group=self.attn_tp_group)
         return x
 
     def _project_kv(self, x: torch.Tensor, w: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,14 +107,14 @@ class TinyModel:
             mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), positions[rows])
             mine[1, :kept] = (x[rows] @ w["wv"]).view(-1, h, hd)
         gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
-        dist.all_gather(gathered, mine, group=self.cp_group)
+        dist.all_gather(gathered, mine, group=self.attn_cp_group)
         kv = torch.cat(gathered, dim=1)[:, :n]
         return kv[0], kv[1]
 
     def check_peers_agree(self, n: int) -> None:
         """TP and CP peers must run the same batch. If their caches diverged they do not: fail with a clear
         error here rather than in a collective of mismatched sizes (an abort on gloo, a hang on NCCL)."""
-        for name, group, size in (("TP", self.tp_group, self.tp_size), ("CP", self.cp_group, self.cp_size)):
+        for name, group, size in (("TP", self.attn_tp_group, self.tp_size), ("CP", self.attn_cp_group, self.cp_size)):
             if size == 1:
                 continue
             counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
@@ -136,7 +136,7 @@ class TinyModel:
             x = _rms_norm(hidden, 1.0)
             q = self._rope((x @ w["wq"]).view(-1, h, hd), batch.positions)
             k, v = self._project_kv(x, w, batch.positions)
-            if batch.load_event is not None and not batch.skip_load_wait:
+            if batch.load_event is not None:
                 batch.load_event.wait_layer(local)
             k_pool, v_pool = pool.buffers(local)
             k_pool[out_slots] = k

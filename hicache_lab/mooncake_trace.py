@@ -7,7 +7,7 @@
 `hash_ids[i]` names the i-th 512-token block of the prompt; requests whose `hash_ids` start alike share that
 prefix. The lab scales a trace down: each id becomes `--trace-block-tokens` tokens, drawn from a generator
 seeded by the id (equal ids, equal tokens), input and output lengths scale by the same factor, and outputs are
-capped at `--output-length`. Requests are replayed in timestamp order (`workload.TraceWorkload`).
+capped at `--output-length`. Requests are replayed in timestamp order (`managers/workload.MooncakeWorkload`).
 """
 
 from __future__ import annotations

@@ -15,13 +15,13 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
 * `pp_relay`          - only PP rank 0 polls and agrees; later stages receive its count (PP fix).
 * `cp_groups`         - agree over the attention-CP group too, not only attention-TP (CP fix).
 * `agree_loads`       - load acks are agreed like write acks.
-* `host_capacity_min` - stages sized in bytes agree on the smallest host pool (launch.host_pool_tokens).
+* `host_capacity_min` - ranks sized in bytes agree on the smallest host pool (`agree_host_capacity`).
 * `bounded_drain`     - relay sends are waited for once a round, instead of reaped by polling (which grew
                         without bound behind a lagging stage).
 * `prefetch_groups`   - storage hit counts and prefetch progress are agreed over gloo groups built from the
                         attention-CP, attention-TP and PP groups, not the attention-TP group alone (CP fix).
 * `storage_keys`      - storage keys leave the CP rank out, so CP peers find each other's pages (CP fix;
-                        applied where the keys are made, launch.build_stage).
+                        `storage_key_cp_rank`).
 * `multi_hop_relay`   - the relayed count travels through every stage; without it only stage 1 receives it and
                         later stages keep their own polls (SGLang #22878: right for 2 stages, wrong for 3+).
 * `always_agree`      - every rank enters the agreement every step; without it a rank that saw nothing finish
@@ -30,7 +30,9 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
 return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
-(stages are not in lockstep, so it deadlocks): only the one-way relay crosses stages.
+(stages are not in lockstep, so it deadlocks): only the one-way relay crosses stages. The two world-wide
+agreements obey it by where they run: `agree_host_capacity` once, at start; `check_consensus` between
+iterations.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .parallel_state import Groups, RankLayout, group_rank_and_size
+from ..errors import ConsensusError
+from .parallel_state import Groups, RankLayout, get_attn_cp_rank_and_size, group_rank_and_size
 
 MIN = dist.ReduceOp.MIN
 MAX = dist.ReduceOp.MAX
@@ -194,3 +197,31 @@ class CacheSync:
                 self._all_reduce_attn_groups(data, MIN)
             agreed.update(zip(names, data.tolist(), strict=True))
         return agreed
+
+    def agree_host_capacity(self, tokens: int) -> int:
+        """Host pool size in tokens, at start. Sized in bytes, stages with fewer layers fit more tokens and would
+        evict from the host later than the others: agree on the smallest (MIN over the world; symmetric, and
+        safe here, before the scheduler loop)."""
+        if "host_capacity_min" not in self.fixes or dist.get_world_size() == 1:
+            return tokens
+        agreed = torch.tensor([tokens])
+        dist.all_reduce(agreed, op=MIN)
+        return int(agreed.item())
+
+    def storage_key_cp_rank(self) -> int | None:
+        """The CP rank to put in this rank's storage keys: none with the fix (CP peers hold identical KV and share
+        keys); without it, its own, so that each peer finds only the pages it wrote."""
+        return None if "storage_keys" in self.fixes else get_attn_cp_rank_and_size(self.groups)[0]
+
+    @staticmethod
+    def check_consensus(step: int, values: dict[str, int]) -> None:
+        """Diagnostic (`--consensus-check K`): all-reduce MIN of [x, -x] over the world; [min, -max] equals
+        [x, -x] on every rank iff all ranks hold the same x. Raises ConsensusError naming the first quantity
+        that differs. Safe between iterations: no rank needs anything from a later iteration of another stage."""
+        data = torch.tensor([*values.values(), *(-v for v in values.values())], dtype=torch.int64)
+        dist.all_reduce(data, op=MIN)
+        k = len(values)
+        for i, quantity in enumerate(values):
+            low, high = int(data[i]), -int(data[k + i])
+            if low != high:
+                raise ConsensusError(f"ranks disagree on {quantity} at step {step}: min {low}, max {high}")

@@ -1,8 +1,9 @@
 """Rank layout and process groups. Even one rank is a world: every group exists, of size one.
 
 World rank = pp_rank * (cp * tp) + cp_rank * tp + tp_rank. The lab's `--tp T --cp C` is SGLang's
-`--tp-size T*C --attn-cp-size C`: the TP group spans all T*C ranks of a stage, split into an attention-TP
-group (size T, same CP rank) and an attention-CP group (size C, same TP rank). The PP group links the ranks
+`--tp-size T*C --attn-cp-size C`: SGLang's TP group spans all T*C ranks of a stage, split into an attention-TP
+group (size T, same CP rank) and an attention-CP group (size C, same TP rank); those two are what the cache
+and the model use, so the lab builds only them. The PP group links the ranks
 that hold the same shard in every stage.
 
 Cache agreement always runs on gloo CPU groups (as SGLang's cache groups do); the model's own traffic runs on
@@ -46,7 +47,6 @@ class RankLayout:
         tp, cp, pp = self.tp, self.cp, self.pp
         r = self.rank_of
         return {
-            "tp": [[r(t, c, p) for c in range(cp) for t in range(tp)] for p in range(pp)],
             "attn_tp": [[r(t, c, p) for t in range(tp)] for p in range(pp) for c in range(cp)],
             "attn_cp": [[r(t, c, p) for c in range(cp)] for p in range(pp) for t in range(tp)],
             "pp": [[r(t, c, p) for p in range(pp)] for c in range(cp) for t in range(tp)],
@@ -59,7 +59,6 @@ class Groups:
 
     layout: RankLayout
     timeout: datetime.timedelta  # of every collective, from --collective-timeout
-    tp_group: object
     attn_tp_group: object
     attn_cp_group: object
     pp_cache_group: object
@@ -88,7 +87,6 @@ def build_groups(layout: RankLayout, cfg: ParallelConfig) -> Groups:
     return Groups(
         layout,
         timeout,
-        tp_group=mine["tp"],
         attn_tp_group=mine["attn_tp"],
         attn_cp_group=mine["attn_cp"],
         pp_cache_group=mine["pp"],

@@ -86,7 +86,7 @@ FLAGS = [
     ("--output-length", "workload", "output_length", int, "tokens generated per turn"),
     ("--max-running-requests", "workload", "max_running_requests", int, "admission limit of a batch"),
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
-    ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see traces.py)"),
+    ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see mooncake_trace.py)"),
     ("--trace-block-tokens", "workload", "trace_block_tokens", int, "lab tokens per trace hash id (Mooncake: 512)"),
     ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
@@ -148,7 +148,7 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
         default=[],
         metavar="SLOT=MODULE:FUNCTION",
         help=f"use your own function in every rank (repeatable); SLOT: {', '.join(SYNC_IMPL_SLOTS)}; "
-        "e.g. pp_sync=my_sync:pp_sync (see hicache_lab/sync_impl.py)",
+        "e.g. pp_sync=my_sync:pp_sync (see hicache_lab/entrypoints/hooks.py)",
     )
 
 

@@ -1,6 +1,7 @@
-"""Your own `_pp_sync` or `writing_check` in every rank: `--sync-impl SLOT=MODULE:FUNCTION` (repeatable).
+"""What the entry point binds into a rank's parts at build time, so that the core has no branch for it.
 
-For course exercises (notebooks/06_exercises.ipynb) and protocol experiments. Every rank imports MODULE
+**`--sync-impl SLOT=MODULE:FUNCTION`** (repeatable): your own `_pp_sync` or `writing_check` in every rank. For
+course exercises (notebooks/06_exercises.ipynb) and protocol experiments. Every rank imports MODULE
 (from the working directory or `sys.path`) and binds FUNCTION as a method in place of the lab's own:
 
 * `pp_sync`       - `CacheSync._pp_sync(self, data)`: relay the agreed counts (an int64 tensor, changed in
@@ -9,17 +10,31 @@ For course exercises (notebooks/06_exercises.ipynb) and protocol experiments. Ev
                     rank agreed on this step.
 
 The run checks the targets before it starts, so a typo fails at once (`ConfigError`, exit code 2).
+
+**Faults** (`install_faults`), for the tests that show a failure is caught:
+
+* `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) when its scheduler starts step N;
+* `--fault tear-copy:R@N` / `misplace-copy:R@N` - rank R's Nth host write leaves out its first layer / lands
+  every token one slot over (`--copy-checksum` and `--check-outputs` must catch it);
+* `--skip-load-wait` - the forward pass reads loaded KV without waiting for the load (the oracle must fail).
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
+import signal
 import sys
 import types
 from collections.abc import Callable
 
+from ..config import RunConfig
 from ..errors import ConfigError
+from ..managers.scheduler import Scheduler
+from ..mem_cache.cache_controller import HiCacheController
+from ..mem_cache.hiradix_cache import HiRadixCache
+from ..mem_cache.radix_cache import RadixCache
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, Callable]:
@@ -54,3 +69,63 @@ def install(impls: dict[str, Callable], sync, cache) -> None:
         sync._pp_sync = types.MethodType(impls["pp_sync"], sync)
     if "writing_check" in impls:
         cache.writing_check = types.MethodType(impls["writing_check"], cache)
+
+
+def install_faults(cfg: RunConfig, rank: int, cache: RadixCache, scheduler: Scheduler) -> None:
+    """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts."""
+    if cfg.cache.skip_load_wait:
+        _after_schedule(scheduler, _drop_load_event)
+    if not cfg.parallel.fault:
+        return
+    kind, fault_rank, n = cfg.parallel.fault_spec
+    if fault_rank != rank:
+        return
+    if kind == "kill-rank":
+        _before_schedule(scheduler, n, lambda: os.kill(os.getpid(), signal.SIGKILL))  # no result: as if lost
+    elif isinstance(cache, HiRadixCache):
+        _bad_write(cache.controller, kind, n)
+
+
+def _before_schedule(scheduler: Scheduler, step: int, action: Callable[[], None]) -> None:
+    schedule = scheduler.schedule
+
+    def hooked(iteration: int):
+        if iteration == step:
+            action()
+        return schedule(iteration)
+
+    scheduler.schedule = hooked
+
+
+def _after_schedule(scheduler: Scheduler, action) -> None:
+    schedule = scheduler.schedule
+
+    def hooked(iteration: int):
+        batch = schedule(iteration)
+        action(batch)
+        return batch
+
+    scheduler.schedule = hooked
+
+
+def _drop_load_event(batch) -> None:
+    """The forward pass no longer waits for the batch's loads; their acks still wait as before."""
+    if batch.forward is not None:
+        batch.forward.load_event = None
+
+
+def _bad_write(controller: HiCacheController, kind: str, n: int) -> None:
+    """The controller's Nth host write (from 0) is torn (its first layer not copied: the destination keeps its
+    poison) or misplaced (every token lands one slot over)."""
+    make_job, writes = controller.write_job, itertools.count()
+
+    def job(host_idx, device_idx):
+        if next(writes) != n:
+            return make_job(host_idx, device_idx)
+        if kind == "misplace-copy":
+            return make_job(host_idx, device_idx.roll(1))
+        torn = make_job(host_idx, device_idx)
+        torn.layers = torn.layers[1:]
+        return torn
+
+    controller.write_job = job

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
+from ..mem_cache.memory_pool import kv_bytes_per_token
 from .hooks import resolve
 from .rank import run_rank
 from .report import print_summary, summarize
@@ -91,7 +92,7 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
     if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
         for stage in range(p.pp):
             layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
-            c.host_tokens(2 * layers * (m.num_heads // p.tp) * m.head_dim * 4)
+            c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim))
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:

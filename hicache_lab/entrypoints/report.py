@@ -139,6 +139,12 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int,
     return summary
 
 
+def divergence_words(summary: dict) -> str | None:
+    """The first step and quantity at which ranks differed, in words; None if they never did."""
+    d = summary["first_divergence"]
+    return f"ranks diverged at step {d['step']} on {d['quantity']} {d['values']}" if d else None
+
+
 def print_summary(summary: dict) -> None:
     print(f"equivalent SGLang flags: {summary['sglang_flags']}")
     print(format_table(summary["rounds"]))

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from ..config import RunConfig
 from ..entrypoints.launch import run
+from .presets import WORLD, config
 
 QUANTITIES = {
     "acks_write": "write acks",
@@ -24,23 +25,12 @@ QUANTITIES = {
 
 
 def exercise_config(pp: int, sync_impls: tuple[str, ...] = (), device: str = "cpu", quick: bool = True) -> RunConfig:
-    """The divergence scenario of the test suite: 3 layers over `pp` stages, a device pool of 256 tokens that
-    the conversations overflow by round 3, a host pool 3x larger. Not `quick`: twice the clients, rounds and
-    device pool."""
-    scale = 1 if quick else 2
-    return RunConfig(
-        model=ModelConfig(num_layers=3),
-        cache=CacheConfig(max_total_tokens=256 * scale, hicache_ratio=3.0, enable_hierarchical_cache=True),
-        workload=WorkloadConfig(
-            num_clients=4 * scale,
-            num_rounds=4 * scale,
-            request_length=32,
-            sub_question_input_length=16,
-            output_length=8,
-        ),
-        parallel=ParallelConfig(pp=pp, device=device, collective_timeout_s=15, sync_impls=tuple(sync_impls)),
-        check_outputs=True,
-    )
+    """The divergence scenario of the test suite (presets.WORLD): 3 layers over `pp` stages, a device pool of 256
+    tokens that the conversations overflow by round 3, a host pool 3x larger. Not `quick`: twice the clients,
+    rounds and device pool."""
+    larger = "" if quick else "--max-total-tokens 512 --num-clients 8 --num-rounds 8"
+    impls = " ".join(f"--sync-impl {spec}" for spec in sync_impls)
+    return config(WORLD, larger, f"--pp {pp} --device {device} --collective-timeout 15", impls)
 
 
 @dataclass

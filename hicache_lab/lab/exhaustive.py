@@ -4,7 +4,7 @@ A gloo world of 2 or 3 pipeline stages (processes; no model) runs the real `Cach
 each stage through one scripted schedule: at step i a stage inserts sequence i (write-through starts its host
 copy), and every step it advances the copies, consumes the agreed acks (`check_hicache_events`) and evicts one
 sequence's worth of device slots. Copy i completes d_i steps after it was issued (d_i in 0..max_delay, in order,
-as a stream does: `transfer.ScriptedCopyEngine`), separately on each stage; every combination of the stages'
+as a stream does: `ScriptedCopyEngine`), separately on each stage; every combination of the stages'
 distinct completion timings is played in each sync mode. A schedule *breaks* a mode when two stages hold
 different trees (digest: structure, tiers, locks) after any step.
 
@@ -23,15 +23,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import CacheConfig, ParallelConfig
+from ..config import SYNC_MODES, CacheConfig, ParallelConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import RankLayout, build_groups
 from ..entrypoints.launch import free_ports
-from ..mem_cache.cache_controller import HiCacheController
+from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.copy_engine import VirtualCopyEngine
-from ..mem_cache.hiradix_cache import HiRadixCache
-from ..mem_cache.memory_pool import DeviceKVPool, PageAllocator
-from ..mem_cache.memory_pool_host import HostKVPool
 
 SEQ = 4  # tokens per inserted sequence
 TIMEOUT_S = 30
@@ -73,17 +70,12 @@ def play(delays: tuple[int, ...], steps: int, sync: CacheSync) -> list[str]:
     copies = len(delays)
     cfg = CacheConfig(max_total_tokens=SEQ * copies, enable_hierarchical_cache=True, hicache_ratio=2)
     engine = ScriptedCopyEngine(list(delays))
-    device = DeviceKVPool(cfg.max_total_tokens, 1, 1, 2, "cpu")
-    device_alloc = PageAllocator(cfg.max_total_tokens, 1, "device pool")
-    host_tokens = cfg.host_tokens(device.bytes_per_token)
-    host = HostKVPool(host_tokens, device, "layer_first")
-    controller = HiCacheController(device, device_alloc, host, PageAllocator(host_tokens, 1, "host pool"), engine)
-    cache = HiRadixCache(cfg, device_alloc, sync, controller)
+    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), sync, engine=engine)
     digests = []
     for step in range(steps):
         if step < copies:
             cache.insert(tuple(range(step * SEQ + 1, (step + 1) * SEQ + 1)), cache.alloc_device(SEQ))
-        engine.advance(step)
+        cache.advance(step)
         cache.check_hicache_events()
         cache.evict(SEQ)
         digests.append(cache.tree.digest())
@@ -141,7 +133,7 @@ def add_exhaustive_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", type=int, default=2, choices=[2, 3], help="pipeline stages (default 2)")
     parser.add_argument("--copies", type=int, default=3, help="host writes in flight (default 3)")
     parser.add_argument("--max-delay", type=int, default=2, help="a copy completes 0..N steps late (default 2)")
-    parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=["off", "legacy", "fixed"])
+    parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=SYNC_MODES)
     parser.add_argument("--out", default="", help="also write the result as JSON here")
 
 

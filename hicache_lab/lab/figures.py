@@ -17,8 +17,9 @@ import dataclasses
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import pandas as pd
 
-from ..config import CacheConfig, ParallelConfig, RunConfig, WorkloadConfig
+from ..config import RunConfig
 from ..entrypoints.launch import run
 from .plots import (
     draw_tree,
@@ -27,7 +28,10 @@ from .plots import (
     plot_hit_rates,
     plot_queue_divergence,
     plot_sync_cost,
+    save_figure,
 )
+from .presets import TIER_CACHES, WORKLOAD, config, tier_config
+from .tour import OneRank
 
 SYNC_COST_CSV = Path("bench/results/agreement_cost.csv")
 FILES = (
@@ -41,15 +45,8 @@ FILES = (
 
 
 def base_config(quick: bool) -> RunConfig:
-    """The demo's model and workload; quick: the test suite's small one (a 256-token device pool)."""
-    if not quick:
-        return RunConfig()
-    return RunConfig(
-        cache=CacheConfig(max_total_tokens=256),
-        workload=WorkloadConfig(
-            num_clients=4, num_rounds=4, request_length=32, sub_question_input_length=16, output_length=8
-        ),
-    )
+    """The demo's model and workload; quick: the test suite's small one (presets.WORKLOAD)."""
+    return config(WORKLOAD) if quick else RunConfig()
 
 
 def variant(base: RunConfig, pp: int = 1, sync: str = "fixed", **cache) -> RunConfig:
@@ -73,24 +70,6 @@ def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
     plot_digest_agreement({f"--pp {pp} --sync {sync}": world for (pp, sync), world in worlds.items()}, out / FILES[2])
 
 
-def tier_config(device: str = "cpu", **cache) -> RunConfig:
-    """One rank, eight conversations of five turns over a 256-token device pool: from round 2 the histories
-    outgrow the host pool too (ratio 2), so the storage tier finds what the host had to drop."""
-    workload = WorkloadConfig(num_clients=8, num_rounds=5, request_length=32, sub_question_input_length=16)
-    return RunConfig(
-        cache=CacheConfig(max_total_tokens=256, **cache),
-        workload=dataclasses.replace(workload, output_length=8),
-        parallel=ParallelConfig(device=device),
-    )
-
-
-TIER_CACHES = {
-    "L1": {},
-    "L1 + L2": {"enable_hierarchical_cache": True},
-    "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 16},
-}
-
-
 def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dict]:
     summaries = {
         label: run(tier_config(device, **cache), runs_dir / f"tier_{i}", verbose=False)
@@ -101,8 +80,6 @@ def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dic
 
 
 def tree_figure(out: Path) -> None:
-    from .tour import OneRank
-
     rank = OneRank()
     a, b, c = list(range(100, 116)), list(range(100, 108)) + list(range(200, 208)), list(range(300, 324))
     fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
@@ -117,15 +94,11 @@ def tree_figure(out: Path) -> None:
     rank.step()
     rank.serve(a + [1, 2, 3, 4])
     draw_tree(axes[3], rank.tree, "4. A again: its tail loaded back\n(locked until the load ack)", legend=False)
-    fig.tight_layout()
-    fig.savefig(out / FILES[4], dpi=120)
-    plt.close(fig)
+    save_figure(fig, out / FILES[4])
 
 
 def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "cpu") -> list[Path]:
     """Every figure into `out`; returns the paths written."""
-    import pandas as pd
-
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(quick)
     base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, device=device))

@@ -67,7 +67,7 @@ def plot_queue_divergence(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
     axes[1][0].set_ylabel("difference from rank 0\n(shaded: trees differ)")
     axes[0][-1].legend(fontsize=7, loc="upper left")
     axes[1][0].legend(fontsize=7, loc="lower left")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
@@ -89,10 +89,10 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)
 
 
-def _save(fig, path: Path) -> None:
+def save_figure(fig, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -136,7 +136,7 @@ def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
         ax.set_xlabel("scheduler step")
     handles = [Patch(color="#2ca02c", label="same tree as rank 0"), Patch(color="#d62728", label="differs")]
     axes[0][0].legend(handles=handles, fontsize=7, loc="upper right")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 TIERS = (("cached_device", "device (L1)", "#4c72b0"), ("cached_host", "host (L2)", "#55a868"))
@@ -162,7 +162,7 @@ def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].set_ylabel("prompt tokens found in cache (%)")
     axes[0][-1].legend(fontsize=7, loc="upper left")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 NODE_COLORS = {"device": "#4c72b0", "device+host": "#55a868", "host": "#dd8452"}
@@ -226,7 +226,7 @@ def plot_sync_cost(results, path: Path) -> None:
         right.legend(fontsize=8)
     for ax in (left, right):
         ax.grid(alpha=0.3, axis="y")
-    _save(fig, path)
+    save_figure(fig, path)
 
 
 def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> None:
@@ -248,4 +248,4 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    _save(fig, path)
+    save_figure(fig, path)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import PREFETCH_POLICIES, WRITE_POLICIES
+from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
+from .presets import WORKLOAD
 
 
 @dataclass
@@ -52,13 +53,11 @@ class Case:
         return self.tp * self.cp * self.pp
 
     def args(self, mode: str) -> list[str]:
-        """The `run` flags of this case: a small workload that still overflows the device pool."""
+        """The `run` flags of this case: the small workload (presets.WORKLOAD), 4 layers, 3 rounds."""
         args = [
+            *WORKLOAD.split(), "--num-layers", "4", "--num-rounds", "3",
             "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--sync", mode,
-            "--num-layers", "4", "--max-total-tokens", "256", "--hicache-ratio", "3",
             "--page-size", str(self.page_size), "--hicache-write-policy", self.write_policy,
-            "--num-clients", "4", "--num-rounds", "3", "--request-length", "32",
-            "--sub-question-input-length", "16", "--output-length", "8",
             "--latency", self.latency, "--seed", str(self.seed),
             "--enable-hierarchical-cache", "--check-outputs", "--collective-timeout", "30",
         ]  # fmt: skip
@@ -148,7 +147,7 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=200, help="random cases; each runs once per mode (default 200)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case draw (default 0)")
     parser.add_argument("--jobs", type=int, default=1, help="worlds run at once (default 1)")
-    parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=["off", "legacy", "fixed"])
+    parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=SYNC_MODES)
     parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn (default 8)")
     parser.add_argument("--limit-s", type=float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")

@@ -15,11 +15,7 @@ import torch.distributed as dist
 from ..config import CacheConfig, ParallelConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import RankLayout, build_groups
-from ..mem_cache.cache_controller import HiCacheController
-from ..mem_cache.copy_engine import VirtualCopyEngine
-from ..mem_cache.hiradix_cache import HiRadixCache
-from ..mem_cache.memory_pool import DeviceKVPool, PageAllocator
-from ..mem_cache.memory_pool_host import HostKVPool
+from ..mem_cache.build import KVShape, build_cache
 
 
 class OneRank:
@@ -35,44 +31,30 @@ class OneRank:
             load_back_threshold=page_size,
             max_copy_delay_steps=max_delay,
         )
-        self.pool = DeviceKVPool(device_tokens, 2, 1, 2, "cpu")
-        device_alloc = PageAllocator(device_tokens, page_size, "device pool")
-        host_tokens = self.cfg.host_tokens(self.pool.bytes_per_token)
-        host_pool = HostKVPool(host_tokens, self.pool, "layer_first")
-        host_alloc = PageAllocator(host_tokens, page_size, "host pool")
-        self.engine = VirtualCopyEngine(max_delay, seed=0, rank=0)
-        controller = HiCacheController(self.pool, device_alloc, host_pool, host_alloc, self.engine, True)
         sync = CacheSync("fixed", build_groups(RankLayout(1, 1, 1, 0), ParallelConfig()), ParallelConfig().fixes)
-        self.cache = HiRadixCache(self.cfg, device_alloc, sync, controller)
+        self.pool, self.cache = build_cache(
+            self.cfg, KVShape(num_layers=2, num_heads=1, head_dim=2), sync, check_copies=True
+        )
         self.tree = self.cache.tree
         self.steps = 0
 
     def step(self) -> tuple[int, int]:
         """The next scheduler step begins: due copies finish; (write acks, load acks) consumed."""
         self.steps += 1
-        self.engine.advance(self.steps)
+        self.cache.advance(self.steps)
         return self.cache.check_hicache_events()
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
         """Serve one request whose whole sequence is `tokens` (page-aligned); how its tokens were found."""
         key = tuple(tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size])
         match = self.cache.match_prefix(key)
-        self.tree.inc_lock_ref(match.last_device_node)
-        prefix, last = match.device_indices, match.last_device_node
-        if match.host_hit_length:
-            loaded, last = self.cache.init_load_back(match.last_host_node)
-            prefix = torch.cat([prefix, loaded])
-            self.tree.inc_lock_ref(last)
-            self.tree.dec_lock_ref(match.last_device_node)
-            self.cache.controller.start_loading()
+        self.cache.inc_lock_ref(match.last_device_node)
+        prefix, last = self.cache.lock_match(match)  # loads back what only the host holds
+        self.cache.start_loading()
         own = self.cache.alloc_device(len(key) - len(prefix))
         k, v = self.pool.buffers(0)
         k[own], v[own] = 1.0, -1.0  # the "forward pass" writes this request's new KV
-        slots = torch.cat([prefix, own])
-        held = self.cache.insert(key, slots)
-        if held > len(prefix):
-            self.cache.device_alloc.free(slots[len(prefix) : held])
-        self.tree.dec_lock_ref(last)
+        self.cache.cache_finished_req(key, torch.cat([prefix, own]), len(prefix), last)
         loaded = len(prefix) - len(match.device_indices)
         return {"device_hit": len(match.device_indices), "loaded_from_host": loaded, "new": len(key) - len(prefix)}
 
@@ -81,14 +63,14 @@ class OneRank:
         return {
             "device_free": c.device_alloc.available_size(),
             "device_size": c.device_alloc.size,
-            "host_free": c.controller.host_alloc.available_size(),
-            "host_size": c.controller.host_alloc.size,
+            "host_free": c.host_alloc.available_size(),
+            "host_size": c.host_alloc.size,
             "write_acks_queued": len(c.controller.ack_write_queue),
             "load_acks_queued": len(c.controller.ack_load_queue),
         }
 
     def close(self) -> None:
         """Leave the world of one (so that a run can start its own in this process)."""
-        self.engine.close()
+        self.cache.close()
         if self.owns_world:
             dist.destroy_process_group()

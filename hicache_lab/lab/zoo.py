@@ -20,18 +20,13 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..distributed.parallel_state import stage_layers
-from ..entrypoints.args import add_run_flags, config_from_args
 from ..entrypoints.launch import run
-from ..entrypoints.report import storage_hit_rate
+from ..entrypoints.report import divergence_words, storage_hit_rate
 from ..managers.step_trace import read_trace
 from ..mem_cache.hicache_storage import storage_suffix
+from .presets import WORLD, config
 
-# the shared workload: small, and still overflows the device pool so eviction and load-back happen
-BASE_FLAGS = (
-    "--num-layers 3 --max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 4 --request-length 32 "
-    "--sub-question-input-length 16 --output-length 8 --enable-hierarchical-cache --check-outputs "
-    "--collective-timeout 20"
-)
+BASE_FLAGS = f"{WORLD} --collective-timeout 20"  # the small world (presets.py) every entry adds to
 STORAGE_FLAGS = (
     "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
 )
@@ -40,8 +35,8 @@ STORAGE_FLAGS = (
 def diverged(summary: dict, out: Path) -> str | None:
     """The first step at which ranks differ, and the crash it led to."""
     words = []
-    if d := summary["first_divergence"]:
-        words.append(f"ranks diverged at step {d['step']} on {d['quantity']} {d['values']}")
+    if divergence := divergence_words(summary):
+        words.append(divergence)
     if summary["crashed"]:
         words.append(f"rank {summary['failing_rank']} crashed: {summary['error']}")
     return "; ".join(words) or None
@@ -177,10 +172,7 @@ ENTRIES = {
 
 
 def _config(flags: str, disabled: tuple[str, ...]) -> RunConfig:
-    parser = argparse.ArgumentParser()
-    add_run_flags(parser)
-    off = [f"--disable-fix={name}" for name in disabled]
-    return config_from_args(parser.parse_args([*BASE_FLAGS.split(), *flags.split(), *off]))
+    return config(BASE_FLAGS, flags, *(f"--disable-fix {name}" for name in disabled))
 
 
 @dataclass

@@ -27,6 +27,7 @@ class Req:
     cached_device: int = 0
     cached_host: int = 0
     cached_storage: int = 0  # loaded from host after a prefetch brought it from storage
+    prefetched: int = 0  # tokens its storage prefetch inserted into the tree (host-only nodes)
     upper_bound_cached: int = 0  # what an infinite cache would have matched
     first_token_at: float = 0.0
     in_flight: bool = False  # in a micro-batch whose sampled tokens have not come back yet

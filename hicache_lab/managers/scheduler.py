@@ -18,26 +18,25 @@ from collections import deque
 import torch
 
 from ..errors import PoolExhaustedError
-from ..mem_cache.hiradix_cache import HiRadixCache
+from ..mem_cache.radix_cache import RadixCache
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
 
 
 class Scheduler:
-    """One rank's cache and batch logic; `pipeline.StageLoop` runs the model and moves data between stages."""
+    """One rank's cache and batch logic; `scheduler_pp.StageLoop` runs the model and moves data between stages.
+    It reaches the cache only through the cache's own operations (mem_cache/base.py)."""
 
-    def __init__(self, cache: HiRadixCache, engine, max_running: int, skip_load_wait: bool = False):
-        self.cache, self.engine = cache, engine
+    def __init__(self, cache: RadixCache, max_running: int):
+        self.cache = cache
         self.max_running = max_running
-        self.skip_load_wait = skip_load_wait
         self.page_size = cache.cfg.page_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted and not finished; `in_flight` ones are in a micro-batch
 
     def add(self, reqs: list[Req]) -> None:
         for req in reqs:
-            if self.cache.storage is not None:
-                self.cache.prefetch_from_storage(req.rid, req.prompt)
+            self.cache.prefetch_from_storage(req.rid, req.prompt)
             self.waiting.append(req)
 
     def _pages(self, tokens: int) -> int:
@@ -45,12 +44,10 @@ class Scheduler:
 
     def schedule(self, iteration: int) -> Batch:
         """Advance copies, consume agreed acks, then build a prefill batch if one fits, else a decode batch."""
-        self.engine.advance(iteration)
-        if self.cache.storage is not None:
-            self.cache.storage.advance(iteration)
+        self.cache.advance(iteration)
         acks = self.cache.check_hicache_events()
         batch = self._admit_batch()
-        if not batch and not self.running and self.waiting and self.cache.storage is not None:
+        if not batch and not self.running and self.waiting:
             self._end_prefetches_behind_the_head()
             batch = self._admit_batch()
         if batch:
@@ -98,36 +95,38 @@ class Scheduler:
         anchors of prefetches of requests behind it, which end only at their own admission — a livelock found
         by the soak. End every prefetch that may end now (agreed, in queue order, alike on every rank)."""
         for req in list(self.waiting)[1:]:
-            self.cache.storage.check_prefetch_progress(req.rid)
+            self._prefetch_ended(req)
+
+    def _prefetch_ended(self, req: Req) -> bool:
+        """Whether the request's storage prefetch (if any) has ended; what it inserted counts as storage hits."""
+        inserted = self.cache.check_prefetch_progress(req.rid)
+        if inserted is None:
+            return False  # still running (wait_complete / timeout policies)
+        req.prefetched += inserted
+        return True
 
     def _admit(self, req: Req) -> bool:
         """Match, lock, check room, load back, reserve slots; False (and nothing held) if it does not fit."""
-        ps, tree, storage = self.page_size, self.cache.tree, self.cache.storage
-        if storage is not None and not storage.check_prefetch_progress(req.rid):
-            return False  # its prefetch is still running (wait_complete / timeout policies)
-        match = self.cache.match_prefix(tuple(req.prompt[: (len(req.prompt) - 1) // ps * ps]))
+        ps, cache = self.page_size, self.cache
+        if not self._prefetch_ended(req):
+            return False
+        match = cache.match_prefix(tuple(req.prompt[: (len(req.prompt) - 1) // ps * ps]))
         device_len = len(match.device_indices)
         need = self._pages(len(req.prompt) - device_len + req.max_new_tokens)
-        tree.inc_lock_ref(match.last_device_node)
-        if self.cache.device_alloc.available_size() + tree.evictable_size() < need:
-            tree.dec_lock_ref(match.last_device_node)
+        cache.inc_lock_ref(match.last_device_node)
+        if cache.device_room() < need:
+            cache.dec_lock_ref(match.last_device_node)
             return False
-        prefix, last = match.device_indices, match.last_device_node
-        if match.host_hit_length > 0:
-            loaded, last = self.cache.init_load_back(match.last_host_node)
-            prefix = torch.cat([prefix, loaded])
-            tree.inc_lock_ref(last)
-            tree.dec_lock_ref(match.last_device_node)
+        prefix, last = cache.lock_match(match)
         req.prefix_indices, req.last_node = prefix, last
         req.cached_device = device_len
-        from_storage = storage.stats.per_request.pop(req.rid, 0) if storage is not None else 0
-        req.cached_storage = min(from_storage, len(prefix) - device_len)
+        req.cached_storage = min(req.prefetched, len(prefix) - device_len)
         req.cached_host = len(prefix) - device_len - req.cached_storage
         req.own_slots = self.cache.alloc_device(self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens))
         return True
 
     def _prefill(self, batch: list[Req]) -> ForwardBatch:
-        load_event = self.cache.controller.start_loading() if self.cache.enabled else None
+        load_event = self.cache.start_loading()
         extend = [len(r.prompt) - len(r.prefix_indices) for r in batch]
         forward = ForwardBatch(
             tokens=torch.tensor([t for r in batch for t in r.prompt[len(r.prefix_indices) :]]),
@@ -136,7 +135,6 @@ class Scheduler:
             seq_slots=[r.seq_slots(len(r.prompt)) for r in batch],
             extend_lens=extend,
             load_event=load_event,
-            skip_load_wait=self.skip_load_wait,
         )
         for req in batch:
             req.kv_len = len(req.prompt)
@@ -159,13 +157,14 @@ class Scheduler:
         aligned = req.kv_len // self.page_size * self.page_size
         slots = req.seq_slots(len(req.prefix_indices) + len(req.own_slots))
         tokens = tuple((req.prompt + req.output)[:aligned])
-        new_prefix_len = self.cache.insert(tokens, slots[:aligned])
-        alloc = self.cache.device_alloc
-        if new_prefix_len > len(req.prefix_indices):
-            alloc.free(slots[len(req.prefix_indices) : new_prefix_len])
-        if len(slots) > aligned:
-            alloc.free(slots[aligned:])
-        self.cache.tree.dec_lock_ref(req.last_node)
+        self.cache.cache_finished_req(tokens, slots, len(req.prefix_indices), req.last_node)
+
+    def new_round(self, flush: bool) -> None:
+        """A round begins, nothing running: check the cache's invariants; with --flush-cache-between-rounds
+        drop the cache, so that later hits must come from storage."""
+        self.cache.check_integrity(self.held_by_requests())
+        if flush and self.cache.cfg.flush_between_rounds:
+            self.cache.flush()
 
     def held_by_requests(self) -> int:
         """Device slots reserved by running requests and not yet in the tree."""

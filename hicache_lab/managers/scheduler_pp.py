@@ -19,21 +19,19 @@ events see different things.
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections import deque
 
 import torch
 import torch.distributed as dist
 
+from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import Groups, group_rank_and_size
-from ..errors import ConsensusError
 from ..mem_cache.memory_pool import DeviceKVPool
 from ..model import TinyModel
 from .schedule_batch import Batch, Req
 from .scheduler import Scheduler
-from .step_trace import StepRecord, TraceWriter
+from .step_trace import StepRecord, TraceWriter, consensus_values
 from .workload import Feeder
 
 HEADER = 3  # new_round, stop, number of requests
@@ -61,6 +59,7 @@ class StageLoop:
     def __init__(
         self,
         groups: Groups,
+        sync: CacheSync,
         scheduler: Scheduler,
         model: TinyModel,
         pool: DeviceKVPool,
@@ -68,9 +67,8 @@ class StageLoop:
         trace: TraceWriter | None = None,
         consensus_every: int = 0,
     ):
-        self.groups, self.scheduler, self.model, self.pool = groups, scheduler, model, pool
+        self.groups, self.sync, self.scheduler, self.model, self.pool = groups, sync, scheduler, model, pool
         self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
-        self.die_at: int | None = None  # fault injection (--fault kill-rank:R@N): this rank is killed at step N
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
         self.sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (iteration, handle, the tensor it reads)
@@ -117,20 +115,15 @@ class StageLoop:
         in_flight: deque[Batch] = deque()
         while True:
             iteration = self.iteration
-            if iteration == self.die_at:
-                os.kill(os.getpid(), signal.SIGKILL)  # no exception, no result: as if the process were lost
             if len(in_flight) == self.pp_size:
                 self._finish(in_flight.popleft())
             reqs, new_round, stop = self._exchange_requests()
             if stop:
                 break
             if new_round:
-                cache = self.scheduler.cache
                 self.drain_sends(before=iteration - self.pp_size + 1)
-                cache.sync.drain_async_work()
-                cache.check_integrity(self.scheduler.held_by_requests())
-                if cache.cfg.flush_between_rounds and iteration > 0:
-                    cache.flush()
+                self.sync.drain_async_work()
+                self.scheduler.new_round(flush=iteration > 0)
             self.reqs += reqs
             self.scheduler.add(reqs)
             start = time.perf_counter()
@@ -140,13 +133,13 @@ class StageLoop:
             finally:  # a step that crashes is traced too: its batch is usually the evidence
                 record = self._record(iteration, batch, start)
             if self.consensus_every and iteration % self.consensus_every == 0:
-                check_consensus(record)
+                self.sync.check_consensus(iteration, consensus_values(record))
             in_flight.append(batch)
             self.iteration += 1
         while in_flight:
             self._finish(in_flight.popleft())
         self.drain_sends()
-        self.scheduler.cache.sync.finish()
+        self.sync.finish()
 
     def _exchange_requests(self) -> tuple[list[Req], bool, bool]:
         if self.pp_rank == 0:
@@ -207,7 +200,6 @@ class StageLoop:
     # -- observation -------------------------------------------------------------------------------
 
     def _record(self, iteration: int, batch: Batch, start: float) -> StepRecord:
-        cache = self.scheduler.cache
         record = StepRecord(
             step=iteration,
             kind=batch.kind,
@@ -215,34 +207,12 @@ class StageLoop:
             requests=[r.rid for r in batch.reqs],
             extend_tokens=batch.num_tokens,
             prefix_tokens=sum(len(r.prefix_indices) for r in batch.reqs) if batch.kind == "prefill" else 0,
-            ready_write=cache.ready["write"],
-            ready_load=cache.ready["load"],
             acks_write=batch.acks[0],
             acks_load=batch.acks[1],
-            digest=cache.tree.digest(),
-            device_free=cache.device_alloc.available_size(),
-            host_free=cache.controller.host_alloc.available_size() if cache.enabled else 0,
-            relay_sends=len(cache.sync.work_list),
+            relay_sends=len(self.sync.work_list),
+            **self.scheduler.cache.observe(),
         )
         self.records.append(record)
         if self.trace is not None:
             self.trace.write(record)
         return record
-
-
-CONSENSUS_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "digest")
-
-
-def check_consensus(record: StepRecord) -> None:
-    """All-reduce MIN of [x, -x] over the world: [min, -max] equals [x, -x] on every rank iff all agree.
-
-    Safe between iterations: no rank needs anything from a later iteration of another stage to get here.
-    """
-    values = [getattr(record, q) for q in CONSENSUS_QUANTITIES[:-1]] + [int(record.digest[:15], 16)]
-    data = torch.tensor(values + [-v for v in values], dtype=torch.int64)
-    dist.all_reduce(data, op=dist.ReduceOp.MIN)
-    k = len(values)
-    for i, quantity in enumerate(CONSENSUS_QUANTITIES):
-        low, high = int(data[i]), -int(data[k + i])
-        if low != high:
-            raise ConsensusError(f"ranks disagree on {quantity} at step {record.step}: min {low}, max {high}")

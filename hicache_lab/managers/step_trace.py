@@ -36,6 +36,17 @@ class StepRecord:
     relay_sends: int = 0  # relay send handles this rank still holds (grows without bound when reaped by polling)
 
 
+def consensus_values(record: StepRecord) -> dict[str, int]:
+    """What `--consensus-check` compares across ranks: acks consumed, batch tokens and the tree (its digest's
+    first 60 bits)."""
+    return {
+        "acks_write": record.acks_write,
+        "acks_load": record.acks_load,
+        "extend_tokens": record.extend_tokens,
+        "digest": int(record.digest[:15], 16),
+    }
+
+
 class TraceWriter:
     def __init__(self, path: Path, rank: int):
         path.parent.mkdir(parents=True, exist_ok=True)

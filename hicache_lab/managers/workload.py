@@ -5,7 +5,7 @@ earlier prompt and answer) plus a fresh sub-question of `sub_question_input_leng
 answers with `output_length` tokens. With the round barrier (the default, as `--enable-round-barrier`), round
 r+1 starts only when every client's round-r answer is done, which makes per-round hit rates comparable.
 
-`TraceWorkload` replays a Mooncake trace instead (`traces.py`): requests in timestamp order, split into
+`MooncakeWorkload` replays a Mooncake trace instead (`mooncake_trace.py`): requests in timestamp order, split into
 `num_rounds` windows of equal count that play the part of rounds (with the barrier; without it, the whole trace
 arrives at once). `InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
 `Feeder` is the one place requests come from (pipeline stage 0 hands them down to the other stages).
@@ -52,7 +52,7 @@ class MultiTurnWorkload:
         self.history[req.client] = req.prompt + req.output
 
 
-class TraceWorkload:
+class MooncakeWorkload:
     def __init__(self, cfg: WorkloadConfig, vocab_size: int):
         self.cfg = cfg
         trace = read_mooncake_trace(cfg.trace_file, cfg.trace_block_tokens, cfg.output_length, vocab_size, cfg.seed)
@@ -76,8 +76,8 @@ class TraceWorkload:
         pass
 
 
-def make_workload(cfg: WorkloadConfig, vocab_size: int) -> MultiTurnWorkload | TraceWorkload:
-    return TraceWorkload(cfg, vocab_size) if cfg.trace_file else MultiTurnWorkload(cfg, vocab_size)
+def make_workload(cfg: WorkloadConfig, vocab_size: int) -> MultiTurnWorkload | MooncakeWorkload:
+    return MooncakeWorkload(cfg, vocab_size) if cfg.trace_file else MultiTurnWorkload(cfg, vocab_size)
 
 
 class InfiniteCache:
@@ -108,7 +108,7 @@ class Feeder:
     next turn arrives as soon as its previous one is answered.
     """
 
-    def __init__(self, workload: MultiTurnWorkload | TraceWorkload, page_size: int):
+    def __init__(self, workload: MultiTurnWorkload | MooncakeWorkload, page_size: int):
         self.workload, self.cfg = workload, workload.cfg
         self.bound = InfiniteCache(page_size)
         self.arrived: list[Req] = []

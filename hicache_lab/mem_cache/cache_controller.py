@@ -16,13 +16,14 @@ from typing import NamedTuple
 import torch
 
 from ..errors import CopyChecksumError
+from .base import CopyEngine, CopyEvent
 from .copy_engine import CopyJob
 from .memory_pool import DeviceKVPool, PageAllocator
 from .memory_pool_host import HostKVPool
 
 
 class HiCacheAck(NamedTuple):
-    finish_event: object  # query() / synchronize() / wait_layer(i)
+    finish_event: CopyEvent
     node_ids: list[int]
     host_indices: torch.Tensor
     device_indices: torch.Tensor
@@ -45,10 +46,9 @@ class HiCacheController:
         device_alloc: PageAllocator,
         host_pool: HostKVPool,
         host_alloc: PageAllocator,
-        engine,
+        engine: CopyEngine,
         check_copies: bool = False,
         copy_checksum: bool = False,
-        bad_write: tuple[str, int] | None = None,
     ):
         self.device_pool, self.device_alloc = device_pool, device_alloc
         self.host_pool, self.host_alloc = host_pool, host_alloc
@@ -58,11 +58,16 @@ class HiCacheController:
         self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.copy_check = CopyCheck(enabled=check_copies)
         self.copy_checksum = copy_checksum
-        self.writes_issued = 0
-        self.bad_write = bad_write  # fault injection (--fault tear-copy|misplace-copy:R@N): (kind, N)
 
-    def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor, poison) -> CopyJob:
-        return CopyJob(self.host_pool.copy_layers(to_host, self.device_pool, host_idx, device_idx), poison)
+    def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor) -> CopyJob:
+        """The copy between the pools, layer by layer; until it is done its destination holds poison."""
+        into, slots = (self.host_pool, host_idx) if to_host else (self.device_pool, device_idx)
+        layers = self.host_pool.copy_layers(to_host, self.device_pool, host_idx, device_idx)
+        return CopyJob(layers, partial(into.poison, slots))
+
+    def write_job(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> CopyJob:
+        """The copy a host write runs (where `--fault` tears or misplaces one, entrypoints/hooks.py)."""
+        return self._job(True, host_idx, device_idx)
 
     def write(self, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
         """Back `device_indices` up to freshly allocated host slots; None when the host pool is full.
@@ -72,14 +77,7 @@ class HiCacheController:
         host_indices = self.host_alloc.alloc(len(device_indices))
         if host_indices is None:
             return None
-        poison = partial(self.host_pool.poison, host_indices)
-        job = self._job(True, host_indices, device_indices, poison)
-        if self.bad_write is not None and self.bad_write[1] == self.writes_issued:
-            if self.bad_write[0] == "tear-copy":
-                job.layers = job.layers[1:]  # the first layer's destination keeps its poison
-            else:  # misplace-copy: every token lands one slot over
-                job = self._job(True, host_indices, device_indices.roll(1), poison)
-        self.writes_issued += 1
+        job = self.write_job(host_indices, device_indices)
         checksum = self._checksum(self.device_pool, device_indices) if self.copy_checksum else None
         ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices, checksum)
         if queue_ack:
@@ -102,12 +100,30 @@ class HiCacheController:
         device_idx = torch.cat([d for _, d, _ in self.load_queue])
         node_ids = [n for _, _, n in self.load_queue]
         self.load_queue = []
-        poison = partial(self.device_pool.poison, device_idx)
-        job = self._job(False, host_idx, device_idx, poison)
+        job = self._job(False, host_idx, device_idx)
         checksum = self._checksum(self.host_pool, host_idx) if self.copy_checksum else None
         ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx, checksum)
         self.ack_load_queue.append(ack)
         return ack.finish_event
+
+    @staticmethod
+    def finished_acks(queue: list[HiCacheAck]) -> int:
+        """Finished acks at the head of a FIFO queue (this rank's own poll); the first unfinished one stops it."""
+        count = 0
+        while count < len(queue) and queue[count].finish_event.query():
+            count += 1
+        return count
+
+    def pop_acks(self, queue: list[HiCacheAck], what: str, count: int) -> list[HiCacheAck]:
+        """Take `count` acks off the head of `queue`, waiting for this rank's own copy where it is not done
+        yet, each checked against its source (`verify`). More than the queue holds fails as SGLang did: "pop
+        from empty list"."""
+        acks = []
+        for _ in range(count):
+            acks.append(queue.pop(0))
+            acks[-1].finish_event.synchronize()
+            self.verify(acks[-1], what)
+        return acks
 
     @staticmethod
     def _checksum(pool, indices: torch.Tensor) -> str:

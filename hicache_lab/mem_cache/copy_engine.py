@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .base import CopyEngine
+
 STREAMS = ("write", "load")
 
 
@@ -210,10 +212,10 @@ class CudaCopyEngine:
         torch.cuda.synchronize()
 
 
-CopyEngine = VirtualCopyEngine | ThreadCopyEngine | CudaCopyEngine
-
-
-def make_copy_engine(latency: str, device: str, max_delay_steps: int, delay_ms: float, seed: int, rank: int):
+def make_copy_engine(
+    latency: str, device: str, max_delay_steps: int, delay_ms: float, *, seed: int, rank: int
+) -> CopyEngine:
+    """The engine of a latency model: `virtual` (deterministic steps), else real copies on CUDA or a thread."""
     if latency == "virtual":
         return VirtualCopyEngine(max_delay_steps, seed, rank)
     if device == "cuda":

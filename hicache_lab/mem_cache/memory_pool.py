@@ -14,6 +14,11 @@ import torch
 POISON = float("nan")  # what a slot holds while a copy into it is still in flight (virtual latency)
 
 
+def kv_bytes_per_token(num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of K and V one token holds in every layer of a pool."""
+    return 2 * num_layers * num_heads * head_dim * dtype.itemsize
+
+
 class PageAllocator:
     def __init__(self, size: int, page_size: int, name: str):
         self.size, self.page_size, self.name = size, page_size, name
@@ -47,7 +52,7 @@ class DeviceKVPool:
         self.size, self.num_layers, self.device, self.dtype = size, num_layers, torch.device(device), dtype
         self.kv = torch.zeros((2, num_layers, size, num_heads, head_dim), device=self.device, dtype=dtype)
         self.k, self.v = list(self.kv[0]), list(self.kv[1])  # per-layer views
-        self.bytes_per_token = 2 * num_layers * num_heads * head_dim * dtype.itemsize
+        self.bytes_per_token = kv_bytes_per_token(num_layers, num_heads, head_dim, dtype)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[layer], self.v[layer]

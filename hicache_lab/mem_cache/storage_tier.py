@@ -6,9 +6,11 @@
 * **Prefetch** - when a request arrives, host slots are reserved for the part of its prompt the tree does
   not hold and the anchor node is protected. The prefetch worker asks storage how many leading pages it
   holds, agrees on the MIN with its peers over its own gloo groups (below the threshold: revoked), and reads
-  them in batches of 128. `check_prefetch_progress` (when the request is scheduled, on the scheduler's own
-  groups) agrees whether to stop waiting (MAX of "not ready") and how many pages arrived (MIN), inserts
-  those as host-only nodes and frees the rest.
+  them in batches of 128. When the request is scheduled (on the scheduler's own groups) `prefetch_ready`
+  agrees whether to stop waiting (MAX of "not ready") and `take_prefetch` how many pages arrived (MIN).
+
+The tier never changes the tree: `HiRadixCache` protects what a backup reads and locks a prefetch's anchor,
+inserts the pages that arrived, and releases both when the tier hands the operation back.
 
 Two ways to run the workers, chosen by the latency model:
 
@@ -29,10 +31,10 @@ import torch
 
 from ..config import CacheConfig
 from ..distributed.cache_sync import MAX, CacheSync
-from .hicache_storage import FileStorage, MooncakeStorage
+from .base import StorageBackend
 from .memory_pool import PageAllocator
 from .memory_pool_host import HostKVPool
-from .radix_tree import RadixTree, TreeNode, page_hashes
+from .radix_tree import TreeNode, page_hashes
 
 STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 
@@ -68,24 +70,23 @@ class StorageStats:
     rate_limited: int = 0
     pages_prefetched: int = 0
     pages_backed_up: int = 0
-    per_request: dict[int, int] = field(default_factory=dict)  # rid -> tokens inserted from storage
 
 
 class StorageTier:
     def __init__(
         self,
         cfg: CacheConfig,
-        backend: FileStorage | MooncakeStorage,
-        tree: RadixTree,
+        backend: StorageBackend,
         host_pool: HostKVPool,
         host_alloc: PageAllocator,
         sync: CacheSync,
+        *,
         cp_rank: int,
         cp_size: int,
         seed: int,
         rank: int,
     ):
-        self.cfg, self.backend, self.tree = cfg, backend, tree
+        self.cfg, self.backend = cfg, backend
         self.host_pool, self.host_alloc, self.sync = host_pool, host_alloc, sync
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self.rng = np.random.default_rng([seed, rank, 3])
@@ -126,8 +127,7 @@ class StorageTier:
     # -- backup ------------------------------------------------------------------------------------
 
     def backup(self, node: TreeNode) -> None:
-        """Queue `node`'s pages for storage; its host copy stays protected until the ack is consumed."""
-        self.tree.protect_host(node)
+        """Queue `node`'s pages for storage (the cache protects its host copy until the ack is consumed)."""
         pages = list(node.host_value.split(self.cfg.page_size))
         op = BackupOp(node, list(node.hashes), pages)
         self.backups.append(op)
@@ -150,48 +150,50 @@ class StorageTier:
             done += 1
         return done
 
-    def release_backups(self, count: int) -> None:
-        """Consume the agreed number of backups (waiting for this rank's own where needed)."""
-        for _ in range(count):
-            self._complete_backup(self.backups.pop(0))
+    def release_backups(self, count: int) -> list[TreeNode]:
+        """Consume the agreed number of backups (waiting for this rank's own where needed); their nodes."""
+        return [self._complete_backup(self.backups.pop(0)) for _ in range(count)]
 
-    def _complete_backup(self, op: BackupOp) -> None:
+    def _complete_backup(self, op: BackupOp) -> TreeNode:
         if not op.done.is_set():
             if self.threaded:
                 op.done.wait()
             else:
                 self._write(op)
-        self.tree.release_host(op.node)
+        return op.node
+
+    def busy(self) -> bool:
+        """Backups or prefetches in flight (they hold host protection, locks or requests)."""
+        return bool(self.prefetches or self.backups)
 
     # -- prefetch ----------------------------------------------------------------------------------
 
-    def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...], make_room) -> None:
-        """Start fetching `tokens` (page-aligned, following `anchor`): reserve host slots, protect the anchor,
-        hand the rest to the prefetch worker. Skipped while prefetches in flight would exceed the rate limit."""
+    def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...], make_room) -> bool:
+        """Start fetching `tokens` (page-aligned, following `anchor`): reserve host slots, hand the rest to the
+        prefetch worker. Skipped (False) while prefetches in flight would exceed the rate limit, or without room."""
         in_flight = sum(len(op.tokens) for op in self.prefetches.values())
         if in_flight + len(tokens) > self.prefetch_capacity:
             self.stats.rate_limited += 1
-            return
+            return False
         slots = self.host_alloc.alloc(len(tokens))
         if slots is None:
             make_room(len(tokens))
             slots = self.host_alloc.alloc(len(tokens))
         if slots is None:
-            return
-        self.tree.protect_host(anchor)
-        self.tree.inc_lock_ref(anchor)
+            return False
         hashes = page_hashes(tokens, self.cfg.page_size, anchor.hashes[-1] if anchor.hashes else "")
         op = PrefetchOp(anchor, tokens, hashes, slots, self.step)
         self.prefetches[rid] = op
         self.stats.prefetches += 1
         if self.threaded:
             self.queues["prefetch"].put(op)
-            return
+            return True
         self._query(op)
         previous = 0
         for _ in range(0, op.hits, STORAGE_BATCH_PAGES):
             previous = self._due(previous)
             op.due.append(previous)
+        return True
 
     def _query(self, op: PrefetchOp) -> None:
         """How many leading pages storage holds, agreed (MIN) over the prefetch groups; too few: revoked."""
@@ -220,9 +222,9 @@ class StorageTier:
             op.failed = read < batch.stop - batch.start  # a missing or damaged page ends the prefetch there
         return True
 
-    def check_prefetch_progress(self, rid: int) -> bool:
-        """Whether request `rid` may be scheduled: True once its prefetch (if any) has ended and the pages
-        every rank holds are in the tree as host-only nodes."""
+    def prefetch_ready(self, rid: int) -> bool:
+        """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: no rank stops
+        while another, by its policy, still waits."""
         self._check_worker()
         op = self.prefetches.get(rid)
         if op is None:
@@ -235,16 +237,20 @@ class StorageTier:
         else:
             ready = complete or self.step - op.created >= self.cfg.prefetch_timeout_steps
         (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
-        if not_ready:
-            return False
+        return not not_ready
+
+    def take_prefetch(self, rid: int) -> tuple[PrefetchOp, int] | None:
+        """End request `rid`'s prefetch (after `prefetch_ready`): the op and the pages every rank holds, which the
+        worker no longer touches; None without a prefetch."""
+        op = self.prefetches.pop(rid, None)
+        if op is None:
+            return None
         (pages,) = self.sync.agree_prefetch_progress([op.arrived])
         self._wait_for_pages(op, pages)  # a later stage may hold fewer than stage 0 saw arrive
         with op.lock:
             op.terminated = True
-        del self.prefetches[rid]
-        self._insert(op, pages)
-        self.stats.per_request[rid] = pages * self.cfg.page_size
-        return True
+        self.stats.pages_prefetched += pages
+        return op, pages
 
     def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
         while op.arrived < pages:
@@ -255,17 +261,6 @@ class StorageTier:
                 threading.Event().wait(0.001)
             else:
                 self._read_batch(op)
-
-    def _insert(self, op: PrefetchOp, pages: int) -> None:
-        ps = self.cfg.page_size
-        inserted = self.tree.insert_host(op.anchor, op.tokens[: pages * ps], op.host_slots[: pages * ps])
-        unused = torch.ones(len(op.host_slots), dtype=torch.bool)
-        unused[inserted] = False
-        if unused.any():
-            self.host_alloc.free(op.host_slots[unused])
-        self.tree.release_host(op.anchor)
-        self.tree.dec_lock_ref(op.anchor)
-        self.stats.pages_prefetched += pages
 
     def summary(self) -> dict:
         s = self.stats
@@ -291,11 +286,10 @@ class StorageTier:
             while op.arrived < op.hits and not op.failed and op.due[op.arrived // STORAGE_BATCH_PAGES] <= step:
                 self._read_batch(op)
 
-    def finish_all(self) -> None:
-        """Between rounds (no request waiting): complete and release every backup."""
+    def finish_all(self) -> list[TreeNode]:
+        """Between rounds (no request waiting): complete every backup; their nodes."""
         assert not self.prefetches, "prefetches outlive their requests"
-        while self.backups:
-            self._complete_backup(self.backups.pop(0))
+        return self.release_backups(len(self.backups))
 
     def close(self) -> None:
         if self.threaded:

@@ -15,7 +15,7 @@ from hicache_lab.errors import ConfigError
 from hicache_lab.lab.sglang import read_bench_multiturn
 from hicache_lab.mooncake_trace import read_mooncake_trace
 
-SAMPLE = str(Path(__file__).parent.parent / "data" / "mooncake_sample.jsonl")
+SAMPLE = str(Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl")
 
 
 def write_lines(path: Path, rows: list) -> str:

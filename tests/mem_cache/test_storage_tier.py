@@ -3,27 +3,26 @@ peers find each other's pages and agree on what they fetched."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 
 
-def storage_world(world_config, tmp_path, **parallel):
+def storage_world(world_config, **parallel):
+    """The small world with a run-local file store, caches flushed between rounds: later hits come from L3."""
     cfg = world_config(**parallel)
-    cfg.cache.storage_backend = "file"
-    cfg.cache.storage_dir = ""
-    cfg.cache.prefetch_policy = "wait_complete"
-    cfg.cache.prefetch_threshold = 16
-    cfg.cache.flush_between_rounds = True
-    return cfg
+    cache = dataclasses.replace(
+        cfg.cache, storage_backend="file", prefetch_policy="wait_complete", prefetch_threshold=16
+    )
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cache, flush_between_rounds=True))
 
 
 @pytest.fixture(scope="module")
-def single_rank_storage_hit(tmp_path_factory):
-    from conftest import make_world_config
-
-    summary = run(storage_world(make_world_config, None), tmp_path_factory.mktemp("one"), verbose=False)
+def single_rank_storage_hit(world_config, tmp_path_factory):
+    summary = run(storage_world(world_config), tmp_path_factory.mktemp("one"), verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
     return storage_hit(summary)
 
@@ -34,32 +33,32 @@ def test_flushed_caches_hit_from_storage_with_exact_outputs(single_rank_storage_
 
 @pytest.mark.parametrize("policy", ["best_effort", "timeout"])
 def test_every_prefetch_policy_keeps_outputs_exact(world_config, tmp_path, policy):
-    cfg = storage_world(world_config, tmp_path)
+    cfg = storage_world(world_config)
     cfg.cache.prefetch_policy = policy
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
 
 
 def test_cp_peers_with_fixed_keys_hit_like_one_rank(world_config, tmp_path, single_rank_storage_hit):
-    summary = run(storage_world(world_config, tmp_path, cp=2), tmp_path, verbose=False)
+    summary = run(storage_world(world_config, cp=2), tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)
 
 
 def test_cp_rank_in_storage_keys_collapses_the_storage_hit_rate(world_config, tmp_path):
-    cfg = storage_world(world_config, tmp_path, cp=2, disable_fixes=("storage_keys",))
+    cfg = storage_world(world_config, cp=2, disable_fixes=("storage_keys",))
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"]
     assert storage_hit(summary) == 0.0  # each peer finds only its own pages: the MIN of hits is 0
 
 
 def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
-    summary = run(storage_world(world_config, tmp_path, cp=2, sync="legacy"), tmp_path, verbose=False)
+    summary = run(storage_world(world_config, cp=2, sync="legacy"), tmp_path, verbose=False)
     assert summary["diverged"]
 
 
 def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, tmp_path, single_rank_storage_hit):
-    cfg = storage_world(world_config, tmp_path, cp=2)
+    cfg = storage_world(world_config, cp=2)
     cfg.cache.latency = "real"  # a backup thread and a prefetch thread per rank, agreeing on their own groups
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]

@@ -1,8 +1,9 @@
 """Property tests of the radix tree and HiRadixCache: random request-like operation sequences against oracles.
 
-A `Harness` wires one rank's cache the way `launch.build_scheduler` does (device pool, host pool, virtual copy
-engine, controller, CacheSync) and plays operations on it the way the scheduler does: a request matches,
-locks, optionally loads back, allocates its own slots, writes its KV, inserts, frees duplicates and unlocks.
+A `Harness` builds one rank's cache with `mem_cache.build.build_cache`, as every run does (device pool, host
+pool, virtual copy engine, controller, CacheSync), and plays operations on it the way the scheduler does: a
+request matches, locks, optionally loads back (`lock_match`), allocates its own slots, writes its KV, and is
+cached (`cache_finished_req`: insert, free duplicates, unlock).
 The KV of the token at position p of a sequence is a code derived from a hash of the sequence up to p, so any
 slot anywhere can be checked against what it must hold. After every operation the harness checks:
 
@@ -32,11 +33,8 @@ from hicache_lab.config import WRITE_POLICIES, CacheConfig, ParallelConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.errors import PoolExhaustedError
-from hicache_lab.mem_cache.cache_controller import HiCacheController
-from hicache_lab.mem_cache.copy_engine import VirtualCopyEngine
-from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
-from hicache_lab.mem_cache.memory_pool import DeviceKVPool, PageAllocator
-from hicache_lab.mem_cache.memory_pool_host import HostKVPool
+from hicache_lab.mem_cache.build import KVShape, build_cache
+from hicache_lab.mem_cache.memory_pool import DeviceKVPool
 from hicache_lab.mem_cache.radix_tree import RadixTree, TreeNode, page_hashes
 
 DEVICE_TOKENS = 64  # host pool: 2x
@@ -215,17 +213,15 @@ class Harness:
             load_back_threshold=load_back_threshold,
             max_copy_delay_steps=max_delay,
         )
-        self.pool = DeviceKVPool(device_tokens, NUM_LAYERS, 1, 2, "cpu")
-        self.device_alloc = PageAllocator(device_tokens, page_size, "device pool")
-        host_tokens = self.cfg.host_tokens(self.pool.bytes_per_token)
-        self.host_pool = HostKVPool(host_tokens, self.pool, layout)
-        self.host_alloc = PageAllocator(host_tokens, page_size, "host pool")
-        self.engine = VirtualCopyEngine(max_delay, seed, rank=0)
-        self.controller = HiCacheController(
-            self.pool, self.device_alloc, self.host_pool, self.host_alloc, self.engine, check_copies=True
-        )
         sync = CacheSync("fixed", groups, ParallelConfig().fixes)
-        self.cache = HiRadixCache(self.cfg, self.device_alloc, sync, self.controller)
+        kv = KVShape(NUM_LAYERS, num_heads=1, head_dim=2)
+        self.pool, self.cache = build_cache(self.cfg, kv, sync, check_copies=True, seed=seed)
+        self.controller, self.device_alloc, self.host_alloc = (
+            self.cache.controller,
+            self.cache.device_alloc,
+            self.cache.host_alloc,
+        )
+        self.engine, self.host_pool = self.controller.engine, self.controller.host_pool
         self.tree = self.cache.tree
         self.open: list[Request] = []
         self.pinned: list[TreeNode] = []  # nodes a test locked by hand
@@ -267,10 +263,10 @@ class Harness:
         self.history.append(key)
         for attempt in range(2):
             match = self.cache.match_prefix(key)
-            self.tree.inc_lock_ref(match.last_device_node)
-            if self.device_alloc.available_size() + self.tree.evictable_size() >= len(key) - len(match.device_indices):
+            self.cache.inc_lock_ref(match.last_device_node)
+            if self.cache.device_room() >= len(key) - len(match.device_indices):
                 break
-            self.tree.dec_lock_ref(match.last_device_node)
+            self.cache.dec_lock_ref(match.last_device_node)
             if attempt == 0:
                 self.drain()
         else:
@@ -280,12 +276,9 @@ class Harness:
         prefix, last = match.device_indices, match.last_device_node
         if load_back and match.host_hit_length > 0:
             matched = len(prefix) + match.host_hit_length
-            loaded, last = self.cache.init_load_back(match.last_host_node)
-            prefix = torch.cat([prefix, loaded])
-            self.tree.inc_lock_ref(last)
-            self.tree.dec_lock_ref(match.last_device_node)
-            self.controller.start_loading()
-            if len(loaded):
+            prefix, last = self.cache.lock_match(match)
+            self.cache.start_loading()
+            if len(prefix) > len(match.device_indices):
                 assert len(prefix) == matched, "a load back brings back the whole host hit"
                 self.stats["loaded"] += 1
         need = len(key) - len(prefix)
@@ -303,14 +296,12 @@ class Harness:
         on_device = longest_prefix(req.key, device, self.ps)
         if longest_prefix(req.key, anywhere, self.ps) > on_device:
             self.stats["adopted"] += 1  # host-only nodes on the path take the request's slots
-        prefix_len = self.cache.insert(req.key, slots)
+        prefix_len = self.cache.cache_finished_req(req.key, slots, len(req.prefix), req.last_node)
         assert prefix_len == on_device, "insert counts exactly the tokens the tree held on the device"
         assert prefix_len >= len(req.prefix), "the request's locked prefix must still be on the device"
         assert req.key in tree_prefixes(self.tree)[1] or not req.key, "an inserted key is on the device"
         if prefix_len > len(req.prefix):
-            self.device_alloc.free(slots[len(req.prefix) : prefix_len])
             self.stats["duplicates_freed"] += 1
-        self.tree.dec_lock_ref(req.last_node)
         self.naive |= aligned_prefixes(req.key, self.ps)
         self.stats["inserted"] += 1
 

@@ -1,0 +1,47 @@
+"""The worlds the lab's tools and tests run, each defined once, in `run` flags: a command that a tool prints is
+the world it ran, and `config(...)` turns the same flags into a `RunConfig`.
+
+* `WORKLOAD` - 4 clients x 4 rounds (32-token openings, 16-token follow-ups, 8-token answers) over a 256-token
+  device pool: small, and still large enough to overflow it, so write-through, eviction and load-back all happen.
+* `WORLD` - that workload with the host tier and the output oracle on 3 layers (so PP stages hold different
+  layer counts): the bug zoo, the exercises and the multi-rank tests add their world size and faults to it.
+* `TIERS` / `TIER_CACHES` - one rank whose history outgrows device and host (8 conversations of 5 turns): the
+  hit rate per tier (figures, notebook 04).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from ..config import RunConfig
+from ..entrypoints.args import add_run_flags, config_from_args
+
+WORKLOAD = (
+    "--max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 4 --request-length 32 "
+    "--sub-question-input-length 16 --output-length 8"
+)
+WORLD = f"--num-layers 3 {WORKLOAD} --enable-hierarchical-cache --check-outputs"
+TIERS = (
+    "--max-total-tokens 256 --num-clients 8 --num-rounds 5 --request-length 32 --sub-question-input-length 16 "
+    "--output-length 8"
+)
+TIER_CACHES = {  # CacheConfig fields of each tier stack
+    "L1": {},
+    "L1 + L2": {"enable_hierarchical_cache": True},
+    "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 16},
+}
+
+
+def config(*flags: str) -> RunConfig:
+    """The `RunConfig` of these `run` flags (a later flag overrides an earlier one)."""
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    return config_from_args(parser.parse_args(" ".join(flags).split()))
+
+
+def tier_config(device: str = "cpu", **cache) -> RunConfig:
+    """`TIERS` on `device` with these CacheConfig fields (one of `TIER_CACHES`): from round 2 the histories
+    outgrow the host pool too (ratio 2), so the storage tier finds what the host had to drop."""
+    cfg = config(TIERS, f"--device {device}")
+    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache))

@@ -1,0 +1,144 @@
+"""The contracts of the cache's parts: what each operation guarantees, and what its caller must do.
+
+In the style of mini-sglang's `kvcache/base.py`. The copy and storage contracts are `Protocol`s (the engines
+and backends are unrelated classes that all keep them; `isinstance` checks them at run time); the prefix cache
+is an abstract base class that `RadixCache` (device only) and `HiRadixCache` (with the host tier) extend.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class CopyEvent(Protocol):
+    """The completion of one asynchronous copy, with SGLang's (CUDA events') API."""
+
+    def query(self) -> bool:
+        """Has the copy finished? Never blocks: what `writing_check` / `loading_check` poll."""
+
+    def synchronize(self) -> None:
+        """Block until the copy has finished (its bytes are in place)."""
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the forward pass wait for layer `layer`'s bytes only (layer-wise load overlap)."""
+
+
+@runtime_checkable
+class CopyEngine(Protocol):
+    """Runs copies on two FIFO streams, `write` (device -> host) and `load` (host -> device): on one stream a
+    copy finishes no earlier than the one submitted before it."""
+
+    def submit(self, stream: str, job) -> CopyEvent:
+        """Start `job` (a `copy_engine.CopyJob`: one callable per layer) on `stream`; never blocks."""
+
+    def advance(self, step: int) -> None:
+        """The scheduler's step `step` begins (virtual latency: copies due by then finish)."""
+
+    def close(self) -> None:
+        """Finish every copy and stop the engine's threads or streams."""
+
+
+@runtime_checkable
+class StorageBackend(Protocol):
+    """An L3 store of pages, keyed by page hash (SGLang's `HiCacheStorage`, batched). A prefix is useful only up to
+    its first gap, so lookups count *leading* pages. Failures are misses, never exceptions or wrong data."""
+
+    stats: Counter[str]
+
+    def batch_exists(self, hashes: list[str]) -> int:
+        """How many leading pages of `hashes` the store holds."""
+
+    def batch_get(self, hashes: list[str], host, page_slots: list[torch.Tensor]) -> int:
+        """Read leading pages into the host pool's `page_slots`; how many arrived intact."""
+
+    def batch_set(self, hashes: list[str], host, page_slots: list[torch.Tensor]) -> int:
+        """Write pages from the host pool's `page_slots`; how many leading pages were stored."""
+
+    def clear(self) -> None:
+        """Drop every page under this rank's keys."""
+
+    def close(self) -> None: ...
+
+
+class BasePrefixCache(ABC):
+    """A prefix cache of one rank. Keys are page-aligned token tuples; values are device slot tensors.
+
+    Invariants every implementation keeps:
+
+    * `lock_ref > 0` => not evictable; a lock on a node protects its whole path to the root;
+    * a caller that uses the slots a match returned holds a lock on the match's last node until it is done
+      (`lock_match` takes one over, `cache_finished_req` releases it);
+    * `evict(0)` is always safe; `evict(n)` frees at least `n` device slots when unlocked nodes allow;
+    * identical calls in identical order give identical trees (`tree.digest()`) on every rank: no wall time,
+      no randomness, no rank-local observation enters a decision without an agreement.
+    """
+
+    @abstractmethod
+    def match_prefix(self, key: tuple[int, ...]):
+        """The longest cached prefix of `key`: device slots, the last device node, and (with a host tier) the
+        host-only tail beyond it. Marks the matched nodes as used (LRU)."""
+
+    @abstractmethod
+    def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+        """Insert a page-aligned key with its device slots; returns how many leading tokens the tree already held
+        on the device (the caller frees its own copies of those)."""
+
+    @abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` device slots from unlocked leaves, least recently used first; returns how
+        many were freed."""
+
+    @abstractmethod
+    def inc_lock_ref(self, node) -> None:
+        """Protect `node` and its ancestors from eviction."""
+
+    @abstractmethod
+    def dec_lock_ref(self, node) -> None:
+        """Release one lock taken by `inc_lock_ref`."""
+
+    @abstractmethod
+    def lock_match(self, match) -> tuple[torch.Tensor, object]:
+        """The prefix a request may use, and the node ending it, locked for the request. The caller holds a lock
+        on `match.last_device_node` (taken before its room check): this lock is handed over, or swapped for one
+        on the node a load back ends at."""
+
+    @abstractmethod
+    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
+        """A request is done: insert its whole pages, free the slots the tree already held and the unused tail,
+        release its lock on `last_node`. Returns `insert`'s count."""
+
+
+class BaseHiCache(BasePrefixCache):
+    """A prefix cache with a host tier (HiCache). On top of `BasePrefixCache`:
+
+    * an in-flight copy locks its node until its ack is consumed; acks are consumed in FIFO order, by a count
+      every rank agreed on (`check_hicache_events`), never by what one rank's poll saw;
+    * a host-only node stays in the tree and can be loaded back; host copies are contiguous from the root.
+    """
+
+    @abstractmethod
+    def evict_host(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` host slots from unprotected host-only leaves (they leave the tree)."""
+
+    @abstractmethod
+    def init_load_back(self, last_node) -> tuple[torch.Tensor, object]:
+        """Load back the host-only tail of a match ending at `last_node`, all or nothing: the device slots it
+        will fill and the node the usable prefix now ends at."""
+
+    @abstractmethod
+    def writing_check(self, count: int) -> None:
+        """Consume exactly `count` write acks (waiting for this rank's own copy where it is not done yet)."""
+
+    @abstractmethod
+    def loading_check(self, count: int) -> None:
+        """Consume exactly `count` load acks, likewise."""
+
+    @abstractmethod
+    def check_hicache_events(self) -> tuple[int, int]:
+        """Start of every step, on every rank: agree how many acks of each queue every rank consumes, then consume
+        them. Every rank enters the agreement every step. Returns (write, load) consumed."""

@@ -1,0 +1,74 @@
+"""The one wiring of a rank's cache: device pool and allocator; with the host tier, the copy engine, host pool,
+controller, storage tier and `HiRadixCache`. The launcher (entrypoints/rank.py), the tour, the exhaustive check
+and the tests all build their cache here, so each of them runs the cache that `python -m hicache_lab run` runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import CacheConfig
+from ..distributed.cache_sync import CacheSync
+from ..distributed.parallel_state import get_attn_cp_rank_and_size
+from .base import CopyEngine, StorageBackend
+from .cache_controller import HiCacheController
+from .copy_engine import make_copy_engine
+from .hiradix_cache import HiRadixCache
+from .memory_pool import DeviceKVPool, PageAllocator, kv_bytes_per_token
+from .memory_pool_host import HostKVPool
+from .radix_cache import RadixCache
+from .storage_tier import StorageTier
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """What one rank's pools hold per token: its stage's layers, its shard of the heads."""
+
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    device: str = "cpu"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim)
+
+
+def build_cache(
+    cfg: CacheConfig,
+    kv: KVShape,
+    sync: CacheSync,
+    *,
+    engine: CopyEngine | None = None,
+    storage: StorageBackend | None = None,
+    check_copies: bool = False,
+    seed: int = 0,
+) -> tuple[DeviceKVPool, RadixCache]:
+    """The device pool the model reads and writes, and the cache that manages it.
+
+    `engine` defaults to the one `cfg.latency` names (seeded by `seed` and the rank); `storage` adds the L3 tier;
+    `check_copies` compares every consumed copy with its source (`--check-outputs`). Sized in bytes, the host
+    pool's token count is agreed across ranks (`CacheSync.agree_host_capacity`): collective, like the sync itself.
+    """
+    pool = DeviceKVPool(cfg.max_total_tokens, kv.num_layers, kv.num_heads, kv.head_dim, kv.device)
+    device_alloc = PageAllocator(cfg.max_total_tokens, cfg.page_size, "device pool")
+    if not cfg.enable_hierarchical_cache:
+        return pool, RadixCache(cfg, device_alloc)
+    rank = sync.groups.layout.rank
+    if engine is None:
+        engine = make_copy_engine(
+            cfg.latency, kv.device, cfg.max_copy_delay_steps, cfg.injected_delay_ms, seed=seed, rank=rank
+        )
+    host_tokens = sync.agree_host_capacity(cfg.host_tokens(pool.bytes_per_token))
+    host_pool = HostKVPool(host_tokens, pool, cfg.host_layout)
+    host_alloc = PageAllocator(host_tokens, cfg.page_size, "host pool")
+    controller = HiCacheController(
+        pool, device_alloc, host_pool, host_alloc, engine, check_copies=check_copies, copy_checksum=cfg.copy_checksum
+    )
+    tier = None
+    if storage is not None:
+        cp_rank, cp_size = get_attn_cp_rank_and_size(sync.groups)
+        tier = StorageTier(
+            cfg, storage, host_pool, host_alloc, sync, cp_rank=cp_rank, cp_size=cp_size, seed=seed, rank=rank
+        )
+    return pool, HiRadixCache(cfg, device_alloc, sync, controller, tier)

@@ -1,0 +1,169 @@
+"""RadixCache: the device-only prefix cache (SGLang's `RadixCache`; `--enable-hierarchical-cache` off).
+
+The radix tree (radix_tree.py) keeps the structure; this class adds the device pool's slots and the operations
+the scheduler calls: match, lock, insert a finished request, evict least recently used leaves (an evicted node
+leaves the tree), allocate with eviction. `HiRadixCache` (hiradix_cache.py) extends it with the host tier; the
+methods at the end are the points where it does, and do nothing here.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import PoolExhaustedError
+from .base import BasePrefixCache
+from .memory_pool import PageAllocator
+from .radix_tree import MatchResult, RadixTree, TreeNode
+
+
+class RadixCache(BasePrefixCache):
+    def __init__(self, cfg: CacheConfig, device_alloc: PageAllocator):
+        self.cfg = cfg
+        self.tree = RadixTree(cfg.page_size)
+        self.device_alloc = device_alloc
+
+    # -- lookup, locks and insertion -----------------------------------------------------------------
+
+    def match_prefix(self, key: tuple[int, ...]) -> MatchResult:
+        return self.tree.match_prefix(key)
+
+    def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+        return self.tree.insert(key, value).prefix_len
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        self.tree.inc_lock_ref(node)
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def device_room(self) -> int:
+        """Device slots a request may take now: free ones plus those eviction can free."""
+        return self.device_alloc.available_size() + self.tree.evictable_size()
+
+    def lock_match(self, match: MatchResult) -> tuple[torch.Tensor, TreeNode]:
+        return match.device_indices, match.last_device_node
+
+    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
+        """`tokens` are the sequence's whole pages, `slots` every slot the request holds (its `prefix_len`
+        cached ones first)."""
+        aligned = len(tokens)
+        new_prefix_len = self.insert(tokens, slots[:aligned])
+        if new_prefix_len > prefix_len:
+            self.device_alloc.free(slots[prefix_len:new_prefix_len])
+        if len(slots) > aligned:
+            self.device_alloc.free(slots[aligned:])
+        self.dec_lock_ref(last_node)
+        return new_prefix_len
+
+    # -- eviction and allocation ---------------------------------------------------------------------
+
+    def evict(self, num_tokens: int) -> int:
+        def became_leaf(parent: TreeNode) -> bool:
+            return parent.lock_ref == 0 and all(c.evicted for c in parent.children.values())
+
+        return self._evict_lru(self.tree.device_leaves(), num_tokens, self._evict_leaf, became_leaf)
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        """Free a device leaf's slots; here it leaves the tree. Returns the slots freed."""
+        freed = len(node.value)
+        self.device_alloc.free(node.value)
+        self.tree.delete_leaf(node)
+        return freed
+
+    def _evict_lru(
+        self,
+        leaves: list[TreeNode],
+        num_tokens: int,
+        evict_leaf: Callable[[TreeNode], int],
+        became_leaf: Callable[[TreeNode], bool],
+    ) -> int:
+        """Evict least recently used leaves until `num_tokens` are freed; a parent whose last child went joins."""
+        heapq.heapify(leaves)
+        freed = 0
+        while freed < num_tokens and leaves:
+            node = heapq.heappop(leaves)
+            parent = node.parent
+            freed += evict_leaf(node)
+            if parent is not self.tree.root and became_leaf(parent):
+                heapq.heappush(leaves, parent)
+        return freed
+
+    def alloc_device(self, num_tokens: int) -> torch.Tensor:
+        """Device slots for `num_tokens` (whole pages), evicting if needed; PoolExhaustedError if impossible."""
+        slots = self.device_alloc.alloc(num_tokens)
+        if slots is None:
+            self.evict(num_tokens - self.device_alloc.available_size())
+            slots = self.device_alloc.alloc(num_tokens)
+        if slots is None:
+            raise PoolExhaustedError(
+                f"device pool: {num_tokens} tokens asked, {self.device_alloc.available_size()} free and "
+                f"{self.tree.evictable_size()} evictable: raise --max-total-tokens or lower --max-running-requests"
+            )
+        return slots
+
+    def flush(self) -> None:
+        """Drop every cached prefix (between rounds, nothing running): later hits must come from storage."""
+        for node in list(self.tree.nodes()):
+            assert node.lock_ref == 0 and node.host_ref == 0, "flush while a request or copy holds the cache"
+            self._free_node(node)
+        self.tree.reset()
+
+    def _free_node(self, node: TreeNode) -> None:
+        self.device_alloc.free(node.value)
+
+    # -- checks and observation ----------------------------------------------------------------------
+
+    def check_integrity(self, held_by_requests: int = 0) -> None:
+        """Tree invariants, plus: every device slot is free, in the tree, or held by a running request."""
+        self.tree.check_integrity()
+        alloc = self.device_alloc
+        accounted = alloc.available_size() + self.tree.device_size() + held_by_requests
+        assert accounted == alloc.size, f"device slots leaked: {accounted} accounted of {alloc.size}"
+
+    def observe(self) -> dict:
+        """What a step record shows of this cache (step_trace.StepRecord's cache fields)."""
+        ready = self.ready_acks()
+        return {
+            "ready_write": ready[0],
+            "ready_load": ready[1],
+            "digest": self.tree.digest(),
+            "device_free": self.device_alloc.available_size(),
+            "host_free": self.host_free(),
+        }
+
+    # -- where the host tier joins in (HiRadixCache): nothing to do without one ------------------------
+
+    def advance(self, step: int) -> None:
+        """Step `step` begins: copies due by now finish."""
+
+    def check_hicache_events(self) -> tuple[int, int]:
+        return 0, 0
+
+    def ready_acks(self) -> tuple[int, int]:
+        """Leading acks this rank saw finished at the last check (its own view): (write, load)."""
+        return 0, 0
+
+    def host_free(self) -> int:
+        return 0
+
+    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
+        """A request arrived: start fetching from storage what of its prompt the tree does not hold."""
+
+    def check_prefetch_progress(self, rid: int) -> int | None:
+        """None while request `rid` must wait for its prefetch; else the tokens it inserted (host-only)."""
+        return 0
+
+    def start_loading(self) -> None:
+        """Start the loads queued while a batch was built; their event, which the forward pass waits on."""
+        return None
+
+    def copies_in_flight(self) -> bool:
+        """Whether unconsumed copies still hold locks or requests (a stalled schedule may still move)."""
+        return False
+
+    def close(self) -> None:
+        """Finish every copy and stop the cache's workers."""

@@ -1,0 +1,126 @@
+"""The scheduler alone, on one rank's real cache (mem_cache/build.py) without a model: sampled tokens are
+given by the test. What it must do: admit while requests fit (at most `max_running`), decode otherwise, let a
+request wait until its whole sequence fits, fail clearly on one that never can, lock a running request's
+prefix, cache finished requests for the next ones, and load host hits back before the forward pass reads them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from hicache_lab.config import CacheConfig, ParallelConfig
+from hicache_lab.distributed.cache_sync import CacheSync
+from hicache_lab.distributed.parallel_state import RankLayout, build_groups
+from hicache_lab.errors import PoolExhaustedError
+from hicache_lab.managers.schedule_batch import Req
+from hicache_lab.managers.scheduler import Scheduler
+from hicache_lab.mem_cache.build import KVShape, build_cache
+
+
+@pytest.fixture(scope="module")
+def groups():
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def scheduler(groups, tokens: int = 64, max_running: int = 4, hicache: bool = False) -> Scheduler:
+    cfg = CacheConfig(
+        max_total_tokens=tokens, enable_hierarchical_cache=hicache, load_back_threshold=1, max_copy_delay_steps=0
+    )
+    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync("fixed", groups, frozenset()))
+    return Scheduler(cache, max_running)
+
+
+def req(rid: int, prompt: list[int], new_tokens: int = 2) -> Req:
+    return Req(rid, client=rid, round=0, prompt=list(prompt), max_new_tokens=new_tokens)
+
+
+def step(s: Scheduler, iteration: int, token: int = 7):
+    """One scheduler step, its sampled tokens given back at once: (batch, finished requests)."""
+    batch = s.schedule(iteration)
+    return batch, s.process_result(batch, [token] * len(batch.reqs), None)
+
+
+def test_admits_up_to_max_running_then_decodes_then_admits_the_rest(groups):
+    s = scheduler(groups, max_running=2)
+    s.add([req(i, [10 * i + j for j in range(8)]) for i in range(3)])
+    kinds = []
+    for i in range(4):
+        batch, _ = step(s, i)
+        kinds.append((batch.kind, [r.rid for r in batch.reqs]))
+    assert kinds == [("prefill", [0, 1]), ("decode", [0, 1]), ("prefill", [2]), ("decode", [2])]
+
+
+def test_a_finished_request_is_cached_for_the_next_one(groups):
+    s = scheduler(groups)
+    first = req(0, list(range(16)))
+    s.add([first])
+    step(s, 0)
+    step(s, 1)
+    assert first.finished and first.kv_len == 17  # the last sampled token has no KV yet
+    second = req(1, first.prompt + first.output + [99, 98, 97])
+    s.add([second])
+    batch, _ = step(s, 2)
+    assert batch.kind == "prefill" and second.cached_device == 17
+    assert batch.forward.positions.tolist() == list(range(17, 21))  # only the new tokens are computed
+
+
+def test_a_request_waits_until_its_whole_sequence_fits(groups):
+    s = scheduler(groups, tokens=64)
+    a, b = req(0, list(range(38)), new_tokens=2), req(1, list(range(100, 138)), new_tokens=2)
+    s.add([a, b])
+    batch, _ = step(s, 0)
+    assert [r.rid for r in batch.reqs] == [0]  # 40 + 40 slots do not fit 64
+    batch, finished = step(s, 1)
+    assert batch.kind == "decode" and finished == [a]
+    batch, _ = step(s, 2)
+    assert [r.rid for r in batch.reqs] == [1]  # a's cached prefix was evicted to make room
+    assert s.cache.tree.device_size() < 39
+
+
+def test_a_request_that_can_never_fit_fails_naming_the_flag(groups):
+    s = scheduler(groups, tokens=64)
+    s.add([req(0, list(range(70)))])
+    with pytest.raises(PoolExhaustedError, match="can never fit the device pool: raise --max-total-tokens"):
+        s.schedule(0)
+
+
+def test_a_running_request_locks_its_prefix_until_it_finishes(groups):
+    s = scheduler(groups)
+    first = req(0, list(range(16)))
+    s.add([first])
+    step(s, 0)
+    step(s, 1)
+    second = req(1, first.prompt + first.output + [50, 51], new_tokens=3)
+    s.add([second])
+    step(s, 2)
+    assert second.last_node.lock_ref == 1 and s.cache.tree.evictable_size() == 0
+    step(s, 3)
+    step(s, 4)
+    assert second.finished and second.last_node.lock_ref == 0
+    s.cache.check_integrity(s.held_by_requests())  # every slot is free or in the tree again
+
+
+def test_a_host_hit_is_loaded_back_and_the_forward_pass_waits_for_it(groups):
+    s = scheduler(groups, tokens=48, hicache=True)
+    first = req(0, list(range(20)))
+    s.add([first])
+    for i in range(2):
+        step(s, i)
+    other = req(1, list(range(100, 140)), new_tokens=2)  # needs the whole pool: `first` goes to the host
+    s.add([other])
+    for i in range(2, 6):
+        step(s, i)
+    assert other.finished
+    again = req(2, first.prompt + first.output + [60])
+    s.add([again])
+    batch = s.schedule(6)
+    assert batch.kind == "prefill" and again.cached_host == 21 and again.cached_device == 0
+    assert batch.forward.load_event is not None  # each layer's attention waits for that layer's bytes

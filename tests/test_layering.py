@@ -1,0 +1,134 @@
+"""The package's layers (docs/architecture.md): each part imports only from the parts below it, the core never
+imports `entrypoints/` or `lab/`, only `__main__` imports `lab/`, there is no import cycle, and no import of the
+package's own modules hides inside a function (where it would dodge a cycle). Checked on the source's syntax
+trees; the same check is shown to catch each kind of violation in a small package written for the purpose."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import hicache_lab
+
+LAYERS = (  # bottom up
+    "__init__",
+    "errors",
+    "mooncake_trace",
+    "config",
+    "distributed",
+    "mem_cache",
+    "model",
+    "managers",
+    "entrypoints",
+    "lab",
+    "__main__",
+)
+
+
+def _module_name(root: Path, path: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(root: Path, module: str) -> str:
+    """The layer a module belongs to: its subpackage, or the top-level module itself."""
+    rest = module.split(".")[1:]
+    if not rest:
+        return "__init__"
+    return rest[0]
+
+
+def _imports(root: Path, path: Path) -> list[tuple[str, bool, int]]:
+    """(imported module of the package, whether at module level, line) for every import in `path`."""
+    module = _module_name(root, path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text())
+    top = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            targets = [f"{target}.{alias.name}" for alias in node.names]  # a module, or a name in one
+        for target in targets:
+            if target == root.name or target.startswith(root.name + "."):
+                found.append((target, id(node) in top, node.lineno))
+    return found
+
+
+def violations(root: Path) -> list[str]:
+    """Every breach of the layering rules in the package at `root`."""
+    found, graph = [], {}
+    modules = {_module_name(root, p): p for p in sorted(root.rglob("*.py"))}
+    for module, path in modules.items():
+        mine = _part(root, module)
+        graph[module] = set()
+        for target, at_top, line in _imports(root, path):
+            if target not in modules:  # `from .module import name`: the module is one up
+                target = target.rpartition(".")[0]
+            theirs = _part(root, target)
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if not at_top:
+                found.append(f"{where}: import of {target} inside a function")
+            if LAYERS.index(theirs) > LAYERS.index(mine):
+                found.append(f"{where}: {mine} imports {target}, a layer above it")
+            if theirs == "lab" and mine not in ("lab", "__main__"):
+                found.append(f"{where}: {mine} imports lab tooling ({target})")
+            if target in modules and target != module and at_top:
+                graph[module].add(target)
+    found += [f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(graph)]
+    return found
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
+
+
+def test_every_part_imports_only_from_below():
+    root = Path(hicache_lab.__file__).parent
+    assert violations(root) == []
+    assert {_part(root, _module_name(root, p)) for p in root.rglob("*.py")} <= set(LAYERS)
+
+
+def test_the_check_catches_an_upward_import_a_cycle_and_a_hidden_import(tmp_path):
+    root = tmp_path / "hicache_lab"
+    files = {
+        "__init__.py": "",
+        "errors.py": "",
+        "config.py": "def f():\n    from .errors import ConfigError\n",
+        "mem_cache/__init__.py": "",
+        "mem_cache/a.py": "from ..entrypoints import b\n",
+        "entrypoints/__init__.py": "",
+        "entrypoints/b.py": "from ..mem_cache import a\nfrom ..lab import tour\n",
+        "lab/__init__.py": "",
+        "lab/tour.py": "",
+    }
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    found = violations(root)
+    assert any("config.py:2: import of hicache_lab.errors inside a function" in v for v in found), found
+    assert any("mem_cache imports hicache_lab.entrypoints.b, a layer above it" in v for v in found), found
+    assert any("entrypoints imports lab tooling" in v for v in found), found
+    assert any(v.startswith("import cycle:") and "hicache_lab.mem_cache.a" in v for v in found), found
