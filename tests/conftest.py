@@ -7,8 +7,10 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from hicache_lab.config import RunConfig
+from hicache_lab.config import ParallelConfig, RunConfig
+from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.lab.presets import WORKLOAD, WORLD, config
 
 torch.set_num_threads(1)  # as a rank does: tiny tensors, shared cores
@@ -37,3 +39,16 @@ def make_world_config(tp=1, cp=1, pp=1, sync="fixed", **parallel_overrides) -> R
 def world_config():
     """Factory: world_config(tp=, cp=, pp=, sync=, **parallel_overrides) -> RunConfig."""
     return make_world_config
+
+
+@pytest.fixture(scope="module")
+def groups():
+    """The process groups of a world of one; the default group is destroyed only if this fixture made it."""
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()

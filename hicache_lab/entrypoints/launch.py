@@ -44,6 +44,30 @@ def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path) -> None:
     run_rank(cfg, rank, store, out_dir)
 
 
+def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:
+    """This process becomes rank `rank` of a gloo world of `size` ranks that meet at 127.0.0.1:`port`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+
+
+def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | None]:
+    """Run `target(rank, size, port, *args)` in `size` spawned processes (each may `join_world(rank, size,
+    port, ...)`); wait for all, killing any still running after `timeout_s`. Returns their exit codes."""
+    ctx = multiprocessing.get_context("spawn")
+    (port,) = free_ports(1)
+    procs = [ctx.Process(target=target, args=(rank, size, port, *args)) for rank in range(size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.exitcode for proc in procs]
+
+
 def spawn_world(cfg: RunConfig, out_dir: Path) -> dict[int, int]:
     """Start every rank as a process; once one fails, stop the rest after GRACE_S seconds. Returns the exit
     codes of the ranks that failed first, on their own (not those the launcher stopped)."""

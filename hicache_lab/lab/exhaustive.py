@@ -14,10 +14,8 @@ different trees (digest: structure, tiers, locks) after any step.
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import json
-import multiprocessing
 import tempfile
 from pathlib import Path
 
@@ -26,7 +24,7 @@ import torch.distributed as dist
 from ..config import SYNC_MODES, CacheConfig, ParallelConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import RankLayout, build_groups
-from ..entrypoints.launch import free_ports
+from ..entrypoints.launch import join_world, spawn_ranks
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.copy_engine import VirtualCopyEngine
 
@@ -84,9 +82,7 @@ def play(delays: tuple[int, ...], steps: int, sync: CacheSync) -> list[str]:
 
 
 def _stage(rank: int, stages: int, port: int, schedules: list, steps: int, modes: list[str], result: Path) -> None:
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, stages, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=stages, timeout=timeout)
+    join_world(rank, stages, port, TIMEOUT_S)
     groups = build_groups(RankLayout(1, 1, stages, rank), ParallelConfig(pp=stages, collective_timeout_s=TIMEOUT_S))
     report = {}
     for mode in modes:
@@ -105,19 +101,11 @@ def check(stages: int, copies: int, max_delay: int, modes: list[str]) -> dict:
     """Play every schedule in each mode: {mode: {schedules, broken, breaking: [per-stage delays, ...]}}."""
     per_stage = timings(copies, max_delay)
     schedules = list(itertools.product(per_stage, repeat=stages))
-    ctx = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as scratch:
-        result, (port,) = Path(scratch) / "result.json", free_ports(1)
-        args = (stages, port, schedules, copies + max_delay + 1, modes, result)
-        procs = [ctx.Process(target=_stage, args=(r, *args)) for r in range(stages)]
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout=TIMEOUT_S * 4)
-            if proc.is_alive():
-                proc.kill()
+        result = Path(scratch) / "result.json"
+        codes = spawn_ranks(_stage, stages, (schedules, copies + max_delay + 1, modes, result), TIMEOUT_S * 4)
         if not result.exists():
-            raise RuntimeError(f"the exhaustive world failed: exit codes {[p.exitcode for p in procs]}")
+            raise RuntimeError(f"the exhaustive world failed: exit codes {codes}")
         return json.loads(result.read_text())
 
 

@@ -8,6 +8,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..managers.step_trace import read_trace  # noqa: E402
@@ -118,9 +120,6 @@ def digest_agreement(rows: list[dict]) -> tuple[list[int], list[int], list[list[
 def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> None:
     """One heat map per run: rank (rows) by scheduler step (columns), green where the rank's tree equals rank
     0's, red where it differs, blank where it has stopped. `runs` maps a title to (output dir, summary)."""
-    from matplotlib.colors import ListedColormap
-    from matplotlib.patches import Patch
-
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 0.6 + 1.5 * len(runs)), squeeze=False)
     cmap = ListedColormap(["#d62728", "#2ca02c"])
     cmap.set_bad("white")
@@ -171,8 +170,6 @@ NODE_COLORS = {"device": "#4c72b0", "device+host": "#55a868", "host": "#dd8452"}
 def draw_tree(ax, tree, title: str = "", legend: bool = True) -> None:
     """The radix tree, root at the top: one box per node, coloured by tier; its first tokens, its length, and
     its lock count (a bold edge while locked)."""
-    from matplotlib.patches import Patch
-
     positions, leaves = {}, [0]
 
     def place(node, depth: int) -> float:

@@ -72,7 +72,7 @@ def read_trace(out_dir: Path) -> list[dict]:
 
 def load_trace(out_dir: Path):
     """Every rank's steps as one DataFrame (columns: rank, step, kind, acks_write, acks_load, digest, ...)."""
-    import pandas as pd
+    import pandas as pd  # for notebooks: ranks do not load pandas
 
     return pd.DataFrame(read_trace(out_dir))
 

@@ -7,9 +7,7 @@ Two worlds run every scenario once: `pp3` (three stages) and `tp2cp2` (world ran
 
 from __future__ import annotations
 
-import datetime
 import json
-import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -18,7 +16,7 @@ import torch.distributed as dist
 from hicache_lab.config import ParallelConfig
 from hicache_lab.distributed.cache_sync import MAX, CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
-from hicache_lab.entrypoints.launch import free_ports
+from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 from hicache_lab.errors import ConsensusError
 
 TIMEOUT_S = 30
@@ -69,10 +67,8 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
     return out
 
 
-def _rank(rank: int, size: int, layout: tuple[int, int, int], port: int, out: Path) -> None:
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
+def _rank(rank: int, size: int, port: int, layout: tuple[int, int, int], out: Path) -> None:
+    join_world(rank, size, port, TIMEOUT_S)
     tp, cp, pp = layout
     groups = build_groups(
         RankLayout(tp, cp, pp, rank), ParallelConfig(tp=tp, cp=cp, pp=pp, collective_timeout_s=TIMEOUT_S)
@@ -86,16 +82,8 @@ def world(request, tmp_path_factory) -> tuple[str, dict[str, list]]:
     """(world name, {scenario: [what rank 0 got, what rank 1 got, ...]})."""
     tp, cp, pp = WORLDS[request.param]
     size, out = tp * cp * pp, tmp_path_factory.mktemp(request.param)
-    (port,) = free_ports(1)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, size, (tp, cp, pp), port, out)) for r in range(size)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=TIMEOUT_S * 3)
-        if proc.is_alive():
-            proc.kill()
-    assert all(p.exitcode == 0 for p in procs), f"a rank failed: exit codes {[p.exitcode for p in procs]}"
+    codes = spawn_ranks(_rank, size, ((tp, cp, pp), out), TIMEOUT_S * 3)
+    assert codes == [0] * size, f"a rank failed: exit codes {codes}"
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(size)]
     return request.param, {key: [r[key] for r in ranks] for key in ranks[0]}
 

@@ -7,27 +7,13 @@ prefix, cache finished requests for the next ones, and load host hits back befor
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
-from hicache_lab.config import CacheConfig, ParallelConfig
+from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
-from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.errors import PoolExhaustedError
 from hicache_lab.managers.schedule_batch import Req
 from hicache_lab.managers.scheduler import Scheduler
 from hicache_lab.mem_cache.build import KVShape, build_cache
-
-
-@pytest.fixture(scope="module")
-def groups():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
-    finally:
-        if created:
-            dist.destroy_process_group()
 
 
 def scheduler(groups, tokens: int = 64, max_running: int = 4, hicache: bool = False) -> Scheduler:
@@ -58,12 +44,18 @@ def test_admits_up_to_max_running_then_decodes_then_admits_the_rest(groups):
     assert kinds == [("prefill", [0, 1]), ("decode", [0, 1]), ("prefill", [2]), ("decode", [2])]
 
 
-def test_a_finished_request_is_cached_for_the_next_one(groups):
-    s = scheduler(groups)
-    first = req(0, list(range(16)))
-    s.add([first])
+def served(s: Scheduler, prompt: list[int]) -> Req:
+    """A request of two output tokens, run to its end (steps 0 and 1)."""
+    done = req(0, prompt)
+    s.add([done])
     step(s, 0)
     step(s, 1)
+    return done
+
+
+def test_a_finished_request_is_cached_for_the_next_one(groups):
+    s = scheduler(groups)
+    first = served(s, list(range(16)))
     assert first.finished and first.kv_len == 17  # the last sampled token has no KV yet
     second = req(1, first.prompt + first.output + [99, 98, 97])
     s.add([second])
@@ -94,10 +86,7 @@ def test_a_request_that_can_never_fit_fails_naming_the_flag(groups):
 
 def test_a_running_request_locks_its_prefix_until_it_finishes(groups):
     s = scheduler(groups)
-    first = req(0, list(range(16)))
-    s.add([first])
-    step(s, 0)
-    step(s, 1)
+    first = served(s, list(range(16)))
     second = req(1, first.prompt + first.output + [50, 51], new_tokens=3)
     s.add([second])
     step(s, 2)
@@ -110,10 +99,7 @@ def test_a_running_request_locks_its_prefix_until_it_finishes(groups):
 
 def test_a_host_hit_is_loaded_back_and_the_forward_pass_waits_for_it(groups):
     s = scheduler(groups, tokens=48, hicache=True)
-    first = req(0, list(range(20)))
-    s.add([first])
-    for i in range(2):
-        step(s, i)
+    first = served(s, list(range(20)))
     other = req(1, list(range(100, 140)), new_tokens=2)  # needs the whole pool: `first` goes to the host
     s.add([other])
     for i in range(2, 6):

@@ -25,13 +25,11 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES, CacheConfig, ParallelConfig
 from hicache_lab.distributed.cache_sync import CacheSync
-from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.errors import PoolExhaustedError
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool
@@ -44,22 +42,6 @@ MAX_OPEN = 3  # requests running at once
 VOCAB = 4  # few tokens: prefixes are shared a lot
 
 EMPTY = torch.empty(0, dtype=torch.int64)
-
-
-# -- a world of one ------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def groups():
-    """The process groups of a world of one; the default group is destroyed only if this fixture made it."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
-    finally:
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
 
 
 # -- the KV every slot must hold ----------------------------------------------------------------------
