@@ -5,9 +5,9 @@ fails). Three parts:
 
 1. Scheduler step time by sync mode. The default demo model and workload (`RunConfig()`, L1 + L2, `--pp 2`,
    `--latency virtual`) run once per mode (`--sync off`, `legacy`, `fixed`); each rank's step times come from
-   its trace (`ms` = schedule + forward of one step, hicache_lab/pipeline.py). `off` and `legacy` diverge and
-   may crash, so every mode is averaged over the same steps: per rank, the first N steps where N is the
-   shortest run's step count (a crashed run's last, aborted step dropped). Virtual latency makes the three
+   its trace (`ms` = schedule + forward of one step, hicache_lab/managers/scheduler_pp.py). `off` and `legacy`
+   diverge and may crash, so every mode is averaged over the same steps: per rank, the first N steps where N is
+   the shortest run's step count (a crashed run's last, aborted step dropped). Virtual latency makes the three
    runs schedule identical batches until the first divergence; the mean over those identical-batch steps is
    printed too. Repeated `--repeats` times (mode order rotated each repeat); the tables show the median of the
    per-run means and the ratios fixed/legacy and fixed/off.
@@ -34,10 +34,10 @@ of the relay (one per step: write, load and backup counts travel together). Step
 previous stage, so the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never
 waits (isend only; its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last
 stage's number. A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither
-may appear in the scheduler loop (stages are not in lockstep: sync.py). Part 3: the ratio separate/combined is
-what batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy,
-oversubscribed machine: compare ratios, not absolute microseconds, and read the per-repeat rows in the CSV for
-the spread.
+may appear in the scheduler loop (stages are not in lockstep: hicache_lab/distributed/cache_sync.py). Part 3:
+the ratio separate/combined is what batching the two agreements saves per step. 2 cores shared by up to 4 gloo
+processes is a noisy, oversubscribed machine: compare ratios, not absolute microseconds, and read the per-repeat
+rows in the CSV for the spread.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
 block of calls on one rank) and bench/results/agreement_cost.json (machine, arguments, medians and ratios).
@@ -46,32 +46,25 @@ block of calls on one rank) and bench/results/agreement_cost.json (machine, argu
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from bench.agreement_primitives import measure_primitives, report_primitives
+from bench.common import RESULTS, machine_info, ratio, usable_cpus, write_csv
 from hicache_lab.config import SYNC_MODES, RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.managers.step_trace import read_trace
 
-RESULTS = Path(__file__).parent / "results"
 BATCH_FIELDS = ("kind", "requests", "extend_tokens", "prefix_tokens")  # equal in two runs: same batch
-PP_OPS = ("relay", "barrier", "all_reduce")
-ATTN_OPS = ("combined_1x2", "separate_2x1")
-MIN = dist.ReduceOp.MIN
 CSV_FIELDS = ["part", "pp", "variant", "rank", "repeat", "metric", "value", "unit", "n", "note"]
 
 
@@ -155,10 +148,6 @@ def measure_step_times(base: RunConfig, modes: list[str], repeats: int) -> tuple
     return rows, means
 
 
-def _ratio(a: float, b: float) -> float:
-    return a / b if b else float("nan")
-
-
 def report_step_times(means: dict, rows: list[dict], modes: list[str], world: int) -> dict:
     summary = {}
     print("\nmedian over repeats of the mean scheduler step time (ms); ratios of those medians")
@@ -170,7 +159,7 @@ def report_step_times(means: dict, rows: list[dict], modes: list[str], world: in
             med = {m: statistics.median(means[rank][window][m]) for m in modes}
             steps = [r["n"] for r in rows if r["metric"] == f"mean_step_ms_{window}" and rank in (r["rank"], "all")]
             n = f"{min(steps)}" if steps else "-"
-            ratios = {h: _ratio(med["fixed"], med[h.split("/")[1]]) for h in ratio_heads}
+            ratios = {h: ratio(med["fixed"], med[h.split("/")[1]]) for h in ratio_heads}
             label = "last" if rank == world - 1 else rank
             cells = " ".join(f"{med[m]:8.3f}" for m in modes)
             print(
@@ -183,7 +172,7 @@ def report_step_times(means: dict, rows: list[dict], modes: list[str], world: in
         label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
         per_repeat = means[rank]["common"]
         spread = {
-            h: [_ratio(f, o) for f, o in zip(per_repeat["fixed"], per_repeat[h.split("/")[1]], strict=True)]
+            h: [ratio(f, o) for f, o in zip(per_repeat["fixed"], per_repeat[h.split("/")[1]], strict=True)]
             for h in ratio_heads
         }
         print(f"  rank {label:>4}: " + "; ".join(f"{h} " + ", ".join(f"{r:.3f}" for r in v) for h, v in spread.items()))
@@ -196,202 +185,16 @@ def report_step_times(means: dict, rows: list[dict], modes: list[str], world: in
     return summary
 
 
-# -- parts 2 and 3: the primitives in a spawned world ------------------------------------------------------
-
-
-def _relay(data: torch.Tensor, rank: int, size: int, group, calls: int) -> tuple[float, float]:
-    """`CacheSync._pp_sync` `calls` times, then the drain: (loop seconds, drain seconds)."""
-    works = []
-    start = time.perf_counter()
-    for _ in range(calls):
-        if rank > 0:
-            dist.recv(data, group_src=rank - 1, group=group, tag=2)
-        if rank + 1 < size:
-            works.append(dist.isend(data.clone(), group_dst=rank + 1, group=group, tag=2))
-    looped = time.perf_counter()
-    for work in works:
-        work.wait()
-    return looped - start, time.perf_counter() - looped
-
-
-def _time_pp_op(op: str, rank: int, size: int, group, calls: int) -> tuple[float, float]:
-    if op == "relay":
-        return _relay(torch.zeros(1, dtype=torch.int64), rank, size, group, calls)
-    start = time.perf_counter()
-    if op == "barrier":
-        for _ in range(calls):
-            dist.barrier(group=group)
-    else:
-        data = torch.ones(1, dtype=torch.int64)
-        for _ in range(calls):
-            dist.all_reduce(data, op=MIN, group=group)
-    return time.perf_counter() - start, 0.0
-
-
-def _time_attn_op(op: str, group, calls: int) -> float:
-    """Per step: build the ack tensor(s), agree (MIN), read back, as `CacheSync.agree_ack_counts` does."""
-    write, load = 3, 1
-    start = time.perf_counter()
-    for _ in range(calls):
-        if op == "combined_1x2":
-            data = torch.tensor([write, load], dtype=torch.int64)
-            dist.all_reduce(data, op=MIN, group=group)
-            data.tolist()
-        else:
-            for local in (write, load):
-                data = torch.tensor([local], dtype=torch.int64)
-                dist.all_reduce(data, op=MIN, group=group)
-                int(data.item())
-    return time.perf_counter() - start
-
-
-def _world_main(rank: int, size: int, port: int, args: dict, out_dir: str) -> None:
-    torch.set_num_threads(1)  # as launch.run_rank: tiny tensors, shared cores
-    timeout = datetime.timedelta(seconds=args["timeout_s"])
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
-    pp_group = dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
-    attn_size = min(2, size)
-    attn_group = dist.new_group(list(range(attn_size)), backend="gloo", timeout=timeout)
-    calls, warmup, records = args["calls"], args["warmup"], []
-    for block in range(args["blocks"]):
-        for op in PP_OPS:
-            dist.barrier(group=pp_group)
-            _time_pp_op(op, rank, size, pp_group, warmup)
-            dist.barrier(group=pp_group)
-            loop_s, drain_s = _time_pp_op(op, rank, size, pp_group, calls)
-            records.append({"part": "pp", "op": op, "block": block, "loop_s": loop_s, "drain_s": drain_s})
-        for op in ATTN_OPS:
-            dist.barrier(group=pp_group)
-            if rank < attn_size:
-                _time_attn_op(op, attn_group, warmup)
-                dist.barrier(group=attn_group)
-                loop_s = _time_attn_op(op, attn_group, calls)
-                records.append({"part": "attn", "op": op, "block": block, "loop_s": loop_s, "drain_s": 0.0})
-    dist.barrier(group=pp_group)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def measure_world(size: int, args: dict) -> dict[int, list[dict]]:
-    with tempfile.TemporaryDirectory() as scratch:
-        mp.spawn(_world_main, args=(size, _free_port(), args, scratch), nprocs=size, join=True)
-        return {rank: json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(size)}
-
-
-def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dict]:
-    """CSV rows (one per rank, op and block) and {pp: {part: {op: {rank: median us per call}}}}."""
-    rows, medians = [], {}
-    for size in pp_sizes:
-        started = time.perf_counter()
-        per_rank = measure_world(size, args)
-        print(f"  world of {size} ranks: {time.perf_counter() - started:.1f} s")
-        for rank, records in per_rank.items():
-            for rec in records:
-                us = rec["loop_s"] / args["calls"] * 1e6
-                part = "pp_agreement" if rec["part"] == "pp" else "attn_agreement"
-                metric = "us_per_call" if rec["part"] == "pp" else "us_per_step"
-                note = "" if rec["part"] == "pp" else "attention group = ranks 0, 1"
-                rows.append(
-                    {
-                        "part": part,
-                        "pp": size,
-                        "variant": rec["op"],
-                        "rank": rank,
-                        "repeat": rec["block"],
-                        "metric": metric,
-                        "value": us,
-                        "unit": "us",
-                        "n": args["calls"],
-                        "note": note,
-                    }
-                )
-                if rec["op"] == "relay":
-                    rows.append(
-                        {
-                            **rows[-1],
-                            "metric": "drain_us_per_call",
-                            "value": rec["drain_s"] / args["calls"] * 1e6,
-                            "note": "waiting once, after the loop, for every isend handle",
-                        }
-                    )
-        for row in rows:
-            if row["pp"] != size:
-                continue
-            medians.setdefault(size, {}).setdefault(row["part"], {}).setdefault(
-                row["variant"] + ("" if row["metric"] != "drain_us_per_call" else "_drain"), {}
-            ).setdefault(row["rank"], []).append(row["value"])
-    for parts in medians.values():
-        for ops in parts.values():
-            for op, by_rank in ops.items():
-                ops[op] = {rank: statistics.median(v) for rank, v in by_rank.items()}
-    return rows, medians
-
-
-def report_primitives(medians: dict) -> dict:
-    summary = {}
-    print("\nPP group: microseconds per call (median block); relay loop excludes its drain, shown apart")
-    print(
-        f"{'pp':>3} {'rank':>6} {'relay':>9} {'drain':>9} {'barrier':>9} {'all_reduce':>10} "
-        f"{'relay/barrier':>14} {'relay/all_reduce':>17}"
-    )
-    for size, parts in medians.items():
-        ops = parts["pp_agreement"]
-        for rank, label in ((0, "0"), (size - 1, "last")):
-            relay, barrier, allred = ops["relay"][rank], ops["barrier"][rank], ops["all_reduce"][rank]
-            drain = ops["relay_drain"][rank]
-            r_b, r_a = _ratio(relay, barrier), _ratio(relay, allred)
-            print(
-                f"{size:3} {label:>6} {relay:9.1f} {drain:9.1f} {barrier:9.1f} {allred:10.1f} {r_b:14.3f} {r_a:17.3f}"
-            )
-            summary.setdefault(str(size), {})[f"rank_{label}"] = {
-                "relay_us": relay,
-                "relay_drain_us_per_call": drain,
-                "barrier_us": barrier,
-                "all_reduce_us": allred,
-                "relay/barrier": r_b,
-                "relay/all_reduce": r_a,
-            }
-    print(
-        "  rank 0's relay is the isend alone: the relay never makes stage 0 wait; the last rank's relay is the "
-        "recv, what the pipeline pays.\n  drain: the once-a-round wait for the isend handles, per call (rank 0 "
-        "waits for the next stage to have received everything)."
-    )
-    print("\nattention group of 2 (ranks 0, 1): microseconds per step, [write, load] agreed (MIN)")
-    print(f"{'pp world':>8} {'rank':>5} {'one 2-elem':>11} {'two 1-elem':>11} {'two/one':>8}")
-    for size, parts in medians.items():
-        ops = parts["attn_agreement"]
-        for rank in (0, 1) if size > 1 else (0,):
-            one, two = ops["combined_1x2"][rank], ops["separate_2x1"][rank]
-            print(f"{size:8} {rank:5} {one:11.1f} {two:11.1f} {_ratio(two, one):8.3f}")
-            summary.setdefault(str(size), {})[f"attn_rank_{rank}"] = {
-                "combined_us_per_step": one,
-                "separate_us_per_step": two,
-                "separate/combined": _ratio(two, one),
-            }
-    return summary
-
-
 # -- main ---------------------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    return {
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "gloo_available": dist.is_gloo_available(),
-        "load_average_1_5_15_min": os.getloadavg(),  # other work on the machine skews every number here
-    }
+def machine_record() -> dict:
+    return machine_info(
+        processor=platform.processor() or platform.machine(),
+        cpu_affinity=usable_cpus(),
+        gloo_available=dist.is_gloo_available(),
+        load_average_1_5_15_min=os.getloadavg(),  # other work on the machine skews every number here
+    )
 
 
 def main() -> None:
@@ -411,7 +214,7 @@ def main() -> None:
     base = config_from_args(args)
     modes = list(dict.fromkeys(args.sync_modes))
     kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
-    rows, report = [], {"machine": machine_info(), "args": kept}
+    rows, report = [], {"machine": machine_record(), "args": kept}
     started = time.perf_counter()
     if not args.skip_step_time:
         w, p, c = base.workload, base.parallel, base.cache
@@ -441,10 +244,7 @@ def main() -> None:
     report["load_average_at_end"] = os.getloadavg()
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "agreement_cost.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(out / "agreement_cost.csv", rows, CSV_FIELDS)
     (out / "agreement_cost.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"\nwrote {out}/agreement_cost.csv and agreement_cost.json ({report['elapsed_s']:.0f} s)")
 

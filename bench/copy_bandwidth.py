@@ -3,8 +3,8 @@
 For a realistic KV shape (32 layers, 8 KV heads, head dim 128, bf16: 128 KiB per token) and a batch of at
 least 64 MB, it times device->host backup and host->device load of whole pages through the lab's own pools
 (`HostKVPool.copy_layers`, as the controller issues them) on the `CudaCopyEngine`'s streams, for page sizes 1, 16
-and 64 and both host layouts, by whichever mechanism the pool picks (`hicache_lab/pcie.py`: DMA of page runs,
-or UVA index kernels per layer). Pages are scattered (random page order on both sides), as in a pool after
+and 64 and both host layouts, by whichever mechanism the pool picks (`hicache_lab/mem_cache/pcie.py`: DMA of page
+runs, or UVA index kernels per layer). Pages are scattered (random page order on both sides), as in a pool after
 churn. The ceiling is a plain `copy_` of the same byte count between one contiguous device tensor and one
 pinned host tensor. Two figures each: one batch on an idle GPU (its CPU-side preparation shows), and 8 batches
 back to back (the preparation of one overlaps the copy of the one before, as when a scheduler writes many
@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from bench.gpu import save
+from bench.common import save
 from hicache_lab.mem_cache import pcie
 from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool

@@ -13,17 +13,15 @@ Each row also keeps the run's hit rate per round, its mean step time and the fir
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import platform
 from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, write_csv
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def main() -> None:
@@ -70,10 +68,7 @@ def main() -> None:
                 )
                 print(f"delay {delay} ms, {sync:6}, seed {seed}: diverged={s['diverged']} crashed={s['crashed']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(Path(args.out), rows)
     print("\ndelay_ms  sync     diverged  crashed  (of seeds)")
     for delay in args.delays_ms:
         for sync in args.modes:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from pathlib import Path
 
+from bench.common import RESULTS
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
 
-RESULTS = Path(__file__).parent / "results"
 REALISTIC = {
     "num_layers": 16,
     "hidden_size": 2048,

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.gpu import save
+from bench.common import save
 from hicache_lab.config import ModelConfig
 from hicache_lab.mem_cache import pcie
 from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine

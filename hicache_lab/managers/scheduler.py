@@ -1,7 +1,7 @@
 """One rank's scheduling: which requests run next, with which cached prefix. `schedule()` reads, in order:
 
     advance copies -> check_hicache_events (agreed ack counts) -> build a prefill batch (match_prefix,
-    init_load_back, allocate/evict) -> start_loading
+    lock_match: load back what only the host holds, allocate/evict) -> start_loading
 
 and `process_result()` appends sampled tokens and inserts finished requests (write-through starts here).
 

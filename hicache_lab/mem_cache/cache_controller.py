@@ -3,7 +3,7 @@
 Writes start as soon as they are asked for (write-through backs up a node the moment it is inserted); loads
 are queued during batch building and started together, layer by layer, by `start_loading()` right before
 the forward pass. Each started copy leaves a `HiCacheAck` in `ack_write_queue` / `ack_load_queue`; the
-cache (hiradix.py) consumes them in FIFO order once the ranks have agreed how many are done.
+cache (hiradix_cache.py) consumes them in FIFO order once the ranks have agreed how many are done.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """L3 storage backends: where host pages go to outlive the host pool (and the process).
 
-A page is stored under its key: the page's sha256 chain hash (radix.page_hashes) plus a suffix naming what
+A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming what
 really differs between ranks' data — the model, the TP shard and the PP stage's layers. Not the CP rank: CP
-peers hold identical KV, so exactly one of them writes each page and all of them read it. (SGLang's Mooncake
-keys carried the CP rank, so peers never found each other's pages; `storage_suffix(..., cp_rank=...)`
-reproduces that.)
+peers hold identical KV here, so exactly one of them writes each page and all of them read it.
+`storage_suffix(..., cp_rank=...)` puts the CP rank in, as the seed document describes SGLang's Mooncake keys
+before #20460: then peers never find each other's pages. (Released SGLang keys differ: docs/fidelity.md, K3.)
 
 Interface (SGLang's HiCacheStorage, batched):
 
@@ -118,7 +118,7 @@ class MooncakeStorage:
     """Mooncake's distributed KV store, the L3 that SGLang users run (`mooncake-transfer-engine-non-cuda`;
     its import needs the system library `libibverbs1`). Pages travel zero-copy through one registered
     staging buffer with the store's batch calls. Mooncake clients listen on every interface, so the lab runs
-    them inside a loopback-only network namespace (see tests/test_mooncake_storage.py)."""
+    them inside a loopback-only network namespace (see tests/mem_cache/test_mooncake_storage.py)."""
 
     def __init__(self, master: str, metadata_url: str, suffix: str, page_bytes: int, batch_pages: int = 128):
         try:

@@ -2,7 +2,7 @@
 
 A node is in one of three states: device-only, device+host, or host-only (`evicted`: it stays in the tree
 and can be loaded back). Keys are page-aligned. The tree knows nothing of pools or copies: `HiRadixCache`
-(hiradix.py) decides policy; this module keeps the structure and its invariants:
+(hiradix_cache.py) decides policy; this module keeps the structure and its invariants:
 
 * every non-root node has a device copy or a host copy (evicted => backed up);
 * the device tier is prefix-closed: an evicted node has only evicted children;

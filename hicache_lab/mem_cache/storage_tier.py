@@ -4,10 +4,10 @@
   (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. CP
   peers hold identical KV, so page i is written by CP rank i mod cp only; the others skip it.
 * **Prefetch** - when a request arrives, host slots are reserved for the part of its prompt the tree does
-  not hold and the anchor node is protected. The prefetch worker asks storage how many leading pages it
-  holds, agrees on the MIN with its peers over its own gloo groups (below the threshold: revoked), and reads
-  them in batches of 128. When the request is scheduled (on the scheduler's own groups) `prefetch_ready`
-  agrees whether to stop waiting (MAX of "not ready") and `take_prefetch` how many pages arrived (MIN).
+  not hold (the cache locks the node they hang below, its anchor). The prefetch worker asks storage how many
+  leading pages it holds, agrees on the MIN with its peers over its own gloo groups (below the threshold:
+  revoked), and reads them in batches of 128. At admission (on the scheduler's own groups) `prefetch_ready`
+  agrees whether to stop waiting (MAX of "not ready"), `take_prefetch` how many pages arrived (MIN).
 
 The tier never changes the tree: `HiRadixCache` protects what a backup reads and locks a prefetch's anchor,
 inserts the pages that arrived, and releases both when the tier hands the operation back.

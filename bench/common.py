@@ -1,0 +1,60 @@
+"""What the benchmarks share: where results go, how a CSV is written, the machine a result was measured on, and
+an assertion that `python -O` keeps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def check(ok: bool, message: str) -> None:
+    """An assertion that `python -O` keeps: a broken comparison must fail loudly."""
+    if not ok:
+        raise AssertionError(message)
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 (a measurement that did not happen)."""
+    return a / b if b else float("nan")
+
+
+def write_csv(path: Path, rows: list[dict], fields: list[str] | None = None) -> None:
+    """One row per dict, columns `fields` (default: the first row's keys, in order)."""
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields or list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def machine_info(**extra) -> dict:
+    """What a result was measured with: Python, torch, the platform and its CPU count, then `extra`, what the
+    benchmark's figures also depend on. The key names are those of the results already recorded: keep them, so
+    that a new result compares with an old one."""
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        **extra,
+    }
+
+
+def usable_cpus() -> int | None:
+    """CPUs this process may run on (its affinity), None where the platform does not say."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+def save(name: str, rows: list[dict]) -> None:
+    """bench/results/NAME.json: the machine (`machine_info` and the GPU) and one entry per measurement."""
+    machine = machine_info(gpu=torch.cuda.get_device_name())
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {path}")
