@@ -15,6 +15,11 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from ..managers.step_trace import read_trace  # noqa: E402
 
 
+def _short(text: str, length: int) -> str:
+    """`text`, cut to `length` characters with an ellipsis where it is longer."""
+    return text if len(text) <= length else text[: length - 1] + "…"
+
+
 def _cumulative(rows: list[dict], quantity: str) -> dict[int, list[int]]:
     """Per rank: the running total of `quantity` at each step."""
     totals: dict[int, list[int]] = {}
@@ -60,7 +65,7 @@ def plot_queue_divergence(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
                 color="red",
                 fontsize=8,
             )
-        status = f"crashed: {summary['error'][:70]}" if summary["crashed"] else "completed; all ranks agree"
+        status = f"crashed: {_short(summary['error'], 70)}" if summary["crashed"] else "completed; all ranks agree"
         top.set_title(f"{title}\n{status}", fontsize=9)
         bottom.set_xlabel("scheduler step (iteration)")
         for ax in (top, bottom):
@@ -130,7 +135,7 @@ def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
         first = summary["first_divergence"]
         status = f"first divergence: step {first['step']} ({first['quantity']})" if first else "ranks agree"
         if summary["crashed"]:
-            status += f"; crashed: {summary['error'][:60]}"
+            status += f"; crashed: {_short(summary['error'], 60)}"
         ax.set_title(f"{title} — {status}", fontsize=9)
         ax.set_xlabel("scheduler step")
     handles = [Patch(color="#2ca02c", label="same tree as rank 0"), Patch(color="#d62728", label="differs")]
