@@ -111,6 +111,8 @@ class HiRadixCache(RadixCache, BaseHiCache):
         self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back, count)
 
     def check_hicache_events(self) -> tuple[int, int]:
+        """Every step: agree in one collective how many leading write, load (and backup) acks every rank
+        consumes (only PP rank 0's polls count with the PP fix), then consume exactly that many."""
         self.ready = (
             self.controller.finished_acks(self.controller.ack_write_queue),
             self.controller.finished_acks(self.controller.ack_load_queue),
