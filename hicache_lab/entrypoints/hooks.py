@@ -13,7 +13,7 @@ The run checks the targets before it starts, so a typo fails at once (`ConfigErr
 
 **Faults** (`install_faults`), for the tests that show a failure is caught:
 
-* `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) when its scheduler starts step N;
+* `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) as its iteration N begins;
 * `--fault tear-copy:R@N` / `misplace-copy:R@N` - rank R's Nth host write leaves out its first layer / lands
   every token one slot over (`--copy-checksum` and `--check-outputs` must catch it);
 * `--skip-load-wait` - the forward pass reads loaded KV without waiting for the load (the oracle must fail).
@@ -28,13 +28,15 @@ import signal
 import sys
 import types
 from collections.abc import Callable
+from functools import partial
 
 from ..config import RunConfig
 from ..errors import ConfigError
 from ..managers.scheduler import Scheduler
+from ..managers.scheduler_pp import StageLoop
+from ..mem_cache.base import BasePrefixCache
 from ..mem_cache.cache_controller import HiCacheController
 from ..mem_cache.hiradix_cache import HiRadixCache
-from ..mem_cache.radix_cache import RadixCache
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, Callable]:
@@ -71,30 +73,24 @@ def install(impls: dict[str, Callable], sync, cache) -> None:
         cache.writing_check = types.MethodType(impls["writing_check"], cache)
 
 
-def install_faults(cfg: RunConfig, rank: int, cache: RadixCache, scheduler: Scheduler) -> None:
+def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: StageLoop) -> None:
     """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts."""
     if cfg.cache.skip_load_wait:
-        _after_schedule(scheduler, _drop_load_event)
+        _after_schedule(loop.scheduler, _drop_load_event)
     if not cfg.parallel.fault:
         return
     kind, fault_rank, n = cfg.parallel.fault_spec
     if fault_rank != rank:
         return
     if kind == "kill-rank":
-        _before_schedule(scheduler, n, lambda: os.kill(os.getpid(), signal.SIGKILL))  # no result: as if lost
+        loop.on_iteration.append(partial(_kill_at, n))
     elif isinstance(cache, HiRadixCache):
         _bad_write(cache.controller, kind, n)
 
 
-def _before_schedule(scheduler: Scheduler, step: int, action: Callable[[], None]) -> None:
-    schedule = scheduler.schedule
-
-    def hooked(iteration: int):
-        if iteration == step:
-            action()
-        return schedule(iteration)
-
-    scheduler.schedule = hooked
+def _kill_at(step: int, iteration: int) -> None:
+    if iteration == step:
+        os.kill(os.getpid(), signal.SIGKILL)  # no exception, no result: as if the process were lost
 
 
 def _after_schedule(scheduler: Scheduler, action) -> None:

@@ -20,11 +20,9 @@ from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
 from ..managers.step_trace import TraceWriter, trace_path
 from ..managers.workload import Feeder, make_workload
-from ..mem_cache.base import StorageBackend
+from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, storage_suffix
-from ..mem_cache.hiradix_cache import HiRadixCache
-from ..mem_cache.radix_cache import RadixCache
 from ..model import TinyModel
 from .hooks import install, install_faults, resolve
 from .oracle import check_outputs
@@ -36,7 +34,7 @@ class Stage:
     """One rank's parts, as `run_rank` needs them after the run."""
 
     loop: StageLoop
-    cache: RadixCache
+    cache: BasePrefixCache
 
 
 def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, directory: Path) -> StorageBackend:
@@ -67,16 +65,16 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     )
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device)
-    storage = None
+    backend = None
     if c.storage_backend != "none":
-        storage = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
-    pool, cache = build_cache(c, kv, sync, storage=storage, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
+        backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
+    pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
     scheduler = Scheduler(cache, cfg.workload.max_running_requests)
     install(resolve(p.sync_impls), sync, cache)
-    install_faults(cfg, layout.rank, cache, scheduler)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
+    install_faults(cfg, layout.rank, cache, loop)
     return Stage(loop, cache)
 
 
@@ -113,9 +111,7 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
     if stage is not None:
         loop, cache = stage.loop, stage.cache
         loop.trace.close()
-        tier = cache.storage if isinstance(cache, HiRadixCache) else None
-        if tier is not None:
-            result["storage"] = {**tier.summary(), **tier.backend.stats}
+        result.update(cache.summary())
         cache.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
@@ -123,8 +119,8 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
             write_requests(out_dir, loop.reqs)
         if cfg.check_outputs and result["completed"]:
             is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
-            copies = cache.controller.copy_check if isinstance(cache, HiRadixCache) else None
-            result["oracle"] = check_outputs(cfg.model, p.device, answered if is_reference_rank else [], copies)
+            reqs = answered if is_reference_rank else []
+            result["oracle"] = check_outputs(cfg.model, p.device, reqs, cache.copy_check())
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
     if result["crashed"] and p.world_size > 1:
         os._exit(1)  # peers may be blocked on us: leave now, the launcher stops them

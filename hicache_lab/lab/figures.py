@@ -30,10 +30,10 @@ from .plots import (
     plot_sync_cost,
     save_figure,
 )
-from .presets import TIER_CACHES, WORKLOAD, config, tier_config
+from .presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
 from .tour import OneRank
 
-SYNC_COST_CSV = Path("bench/results/agreement_cost.csv")
+SYNC_COST_CSV = BENCH_RESULTS / "agreement_cost.csv"
 FILES = (
     "pp_queue_divergence.png",
     "hit_rate_by_round.png",
@@ -46,7 +46,7 @@ FILES = (
 
 def base_config(quick: bool) -> RunConfig:
     """The demo's model and workload; quick: the test suite's small one (presets.WORKLOAD)."""
-    return config(WORKLOAD) if quick else RunConfig()
+    return config(WORKLOAD, "--hicache-ratio 2") if quick else RunConfig()
 
 
 def variant(base: RunConfig, pp: int = 1, sync: str = "fixed", **cache) -> RunConfig:

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from ..config import RunConfig
 from ..entrypoints.args import add_run_flags, config_from_args
 
+BENCH_RESULTS = Path("bench/results")  # the repository's results folder (bench/common.RESULTS), from its root
 WORKLOAD = (
     "--max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 4 --request-length 32 "
     "--sub-question-input-length 16 --output-length 8"

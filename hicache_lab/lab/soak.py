@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
-from .presets import WORKLOAD
+from .presets import BENCH_RESULTS, WORLD
 
 
 @dataclass
@@ -53,13 +53,12 @@ class Case:
         return self.tp * self.cp * self.pp
 
     def args(self, mode: str) -> list[str]:
-        """The `run` flags of this case: the small workload (presets.WORKLOAD), 4 layers, 3 rounds."""
+        """The `run` flags of this case: the small world (presets.WORLD) on 4 layers for 3 rounds."""
         args = [
-            *WORKLOAD.split(), "--num-layers", "4", "--num-rounds", "3",
+            *WORLD.split(), "--num-layers", "4", "--num-rounds", "3",
             "--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--sync", mode,
             "--page-size", str(self.page_size), "--hicache-write-policy", self.write_policy,
-            "--latency", self.latency, "--seed", str(self.seed),
-            "--enable-hierarchical-cache", "--check-outputs", "--collective-timeout", "30",
+            "--latency", self.latency, "--seed", str(self.seed), "--collective-timeout", "30",
         ]  # fmt: skip
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
@@ -151,7 +150,7 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn (default 8)")
     parser.add_argument("--limit-s", type=float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")
-    parser.add_argument("--results", default="bench/results", help="where the CSV and table go")
+    parser.add_argument("--results", default=str(BENCH_RESULTS), help="where the CSV and table go")
     parser.add_argument("--tag", default="", help="results file name: soak_{tag}.csv (default: runs and seed)")
 
 

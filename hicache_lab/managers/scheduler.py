@@ -18,16 +18,16 @@ from collections import deque
 import torch
 
 from ..errors import PoolExhaustedError
-from ..mem_cache.radix_cache import RadixCache
+from ..mem_cache.base import BasePrefixCache
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
 
 
 class Scheduler:
     """One rank's cache and batch logic; `scheduler_pp.StageLoop` runs the model and moves data between stages.
-    It reaches the cache only through the cache's own operations (mem_cache/base.py)."""
+    It reaches the cache only through the operations of its contract, `mem_cache/base.BasePrefixCache`."""
 
-    def __init__(self, cache: RadixCache, max_running: int):
+    def __init__(self, cache: BasePrefixCache, max_running: int):
         self.cache = cache
         self.max_running = max_running
         self.page_size = cache.cfg.page_size

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ class StageLoop:
     ):
         self.groups, self.sync, self.scheduler, self.model, self.pool = groups, sync, scheduler, model, pool
         self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
+        self.on_iteration: list[Callable[[int], None]] = []  # called as each iteration begins (entrypoints/hooks)
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
         self.sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (iteration, handle, the tensor it reads)
@@ -115,6 +117,8 @@ class StageLoop:
         in_flight: deque[Batch] = deque()
         while True:
             iteration = self.iteration
+            for hook in self.on_iteration:
+                hook(iteration)
             if len(in_flight) == self.pp_size:
                 self._finish(in_flight.popleft())
             reqs, new_round, stop = self._exchange_requests()

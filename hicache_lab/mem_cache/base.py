@@ -1,8 +1,9 @@
 """The contracts of the cache's parts: what each operation guarantees, and what its caller must do.
 
 In the style of mini-sglang's `kvcache/base.py`. The copy and storage contracts are `Protocol`s (the engines
-and backends are unrelated classes that all keep them; `isinstance` checks them at run time); the prefix cache
-is an abstract base class that `RadixCache` (device only) and `HiRadixCache` (with the host tier) extend.
+and backends are unrelated classes that all keep them; they are `runtime_checkable`, and
+tests/mem_cache/test_contracts.py checks each with `isinstance`); the prefix cache is an abstract base class that
+`RadixCache` (device only) and `HiRadixCache` (with the host tier) extend, and all that the scheduler calls.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class StorageBackend(Protocol):
 
 
 class BasePrefixCache(ABC):
-    """A prefix cache of one rank. Keys are page-aligned token tuples; values are device slot tensors.
+    """A prefix cache of one rank, as the scheduler uses it. Keys are page-aligned token tuples; values are device
+    slot tensors; `cfg` is the cache's `CacheConfig`.
 
     Invariants every implementation keeps:
 
@@ -75,7 +77,9 @@ class BasePrefixCache(ABC):
       (`lock_match` takes one over, `cache_finished_req` releases it);
     * `evict(0)` is always safe; `evict(n)` frees at least `n` device slots when unlocked nodes allow;
     * identical calls in identical order give identical trees (`tree.digest()`) on every rank: no wall time,
-      no randomness, no rank-local observation enters a decision without an agreement.
+      no randomness, no rank-local observation enters a decision without an agreement;
+    * `check_hicache_events`, `prefetch_from_storage` and `check_prefetch_progress` may run collectives: every
+      rank calls them the same number of times, in the same order, in every step.
     """
 
     @abstractmethod
@@ -102,15 +106,73 @@ class BasePrefixCache(ABC):
         """Release one lock taken by `inc_lock_ref`."""
 
     @abstractmethod
+    def device_room(self) -> int:
+        """Device slots a request may take now: free ones plus those eviction can free."""
+
+    @abstractmethod
     def lock_match(self, match) -> tuple[torch.Tensor, object]:
         """The prefix a request may use, and the node ending it, locked for the request. The caller holds a lock
         on `match.last_device_node` (taken before its room check): this lock is handed over, or swapped for one
         on the node a load back ends at."""
 
     @abstractmethod
+    def alloc_device(self, num_tokens: int) -> torch.Tensor:
+        """Device slots for `num_tokens` (whole pages), evicting if needed; PoolExhaustedError if impossible."""
+
+    @abstractmethod
     def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
         """A request is done: insert its whole pages, free the slots the tree already held and the unused tail,
         release its lock on `last_node`. Returns `insert`'s count."""
+
+    @abstractmethod
+    def flush(self) -> None:
+        """Drop every cached prefix (between rounds, nothing running)."""
+
+    @abstractmethod
+    def check_integrity(self, held_by_requests: int = 0) -> None:
+        """Assert the invariants, and that every slot is free, cached, or one of `held_by_requests`."""
+
+    @abstractmethod
+    def observe(self) -> dict:
+        """What a step record shows of this cache (the cache fields of `step_trace.StepRecord`)."""
+
+    # -- where a host tier joins in: a device-only cache has nothing to do -----------------------------
+
+    def advance(self, step: int) -> None:
+        """Step `step` begins: copies due by now finish."""
+        return None
+
+    def check_hicache_events(self) -> tuple[int, int]:
+        """Acks consumed at the start of the step: (write, load)."""
+        return 0, 0
+
+    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
+        """A request arrived: start fetching from storage what of its prompt the tree does not hold."""
+        return None
+
+    def check_prefetch_progress(self, rid: int) -> int | None:
+        """None while request `rid` must wait for its prefetch; else the tokens it inserted (host-only)."""
+        return 0
+
+    def start_loading(self) -> CopyEvent | None:
+        """Start the loads queued while a batch was built; their event, which the forward pass waits on."""
+        return None
+
+    def copies_in_flight(self) -> bool:
+        """Whether unconsumed copies still hold locks or requests (a stalled schedule may still move)."""
+        return False
+
+    def copy_check(self):
+        """The record of consumed copies compared with their sources (`--check-outputs`), if any."""
+        return None
+
+    def summary(self) -> dict:
+        """What a rank's result records of this cache beyond its hit rates."""
+        return {}
+
+    def close(self) -> None:
+        """Finish every copy and stop the cache's workers."""
+        return None
 
 
 class BaseHiCache(BasePrefixCache):

@@ -40,13 +40,13 @@ def build_cache(
     sync: CacheSync,
     *,
     engine: CopyEngine | None = None,
-    storage: StorageBackend | None = None,
+    backend: StorageBackend | None = None,
     check_copies: bool = False,
     seed: int = 0,
 ) -> tuple[DeviceKVPool, RadixCache]:
     """The device pool the model reads and writes, and the cache that manages it.
 
-    `engine` defaults to the one `cfg.latency` names (seeded by `seed` and the rank); `storage` adds the L3 tier;
+    `engine` defaults to the one `cfg.latency` names (seeded by `seed` and the rank); `backend` adds the L3 tier on it;
     `check_copies` compares every consumed copy with its source (`--check-outputs`). Sized in bytes, the host
     pool's token count is agreed across ranks (`CacheSync.agree_host_capacity`): collective, like the sync itself.
     """
@@ -66,9 +66,9 @@ def build_cache(
         pool, device_alloc, host_pool, host_alloc, engine, check_copies=check_copies, copy_checksum=cfg.copy_checksum
     )
     tier = None
-    if storage is not None:
+    if backend is not None:
         cp_rank, cp_size = get_attn_cp_rank_and_size(sync.groups)
         tier = StorageTier(
-            cfg, storage, host_pool, host_alloc, sync, cp_rank=cp_rank, cp_size=cp_size, seed=seed, rank=rank
+            cfg, backend, host_pool, host_alloc, sync, cp_rank=cp_rank, cp_size=cp_size, seed=seed, rank=rank
         )
     return pool, HiRadixCache(cfg, device_alloc, sync, controller, tier)

@@ -1,12 +1,10 @@
 """HiRadixCache: the radix cache plus the host tier (SGLang's `HiRadixCache`, `--enable-hierarchical-cache`).
 
-* write policies - `write_through` backs a node up when it is inserted, `write_through_selective` on its 2nd
-  hit, `write_back` only when it is evicted. A node is backed up only under a backed-up parent, so host copies
-  stay contiguous from the root. An in-flight copy locks its node until its ack is consumed.
-* eviction - a backed-up device leaf keeps its host copy (host-only); host eviction removes host-only leaves.
-* load back - a host-only prefix of at least `load_back_threshold` tokens is copied back, all or nothing.
-* acks - consumed by a count every rank agreed on (`check_hicache_events`), never by one rank's own poll.
-* storage (L3) - the tier (storage_tier.py) moves pages; only this class changes the tree for it.
+Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit,
+`write_back` only when evicted; only under a backed-up parent, so host copies stay contiguous from the root. An
+in-flight copy locks its node until its ack is consumed, by a count every rank agreed on. A backed-up leaf
+evicted from the device stays host-only and can be loaded back (all or nothing, from `load_back_threshold`
+tokens); host eviction removes host-only leaves. The storage tier moves pages; only this class changes the tree.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ def _retry(attempt, make_room, size: int):
     return result
 
 
-class HiRadixCache(RadixCache, BaseHiCache):
+class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstract methods must be met here
     def __init__(
         self,
         cfg: CacheConfig,
@@ -96,15 +94,18 @@ class HiRadixCache(RadixCache, BaseHiCache):
 
     def writing_check(self, count: int) -> None:
         """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and, with a
-        storage tier, are backed up to it (their host copy protected until the backup is consumed)."""
+        storage tier, are backed up to it."""
         for node in self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through, count):
             if self.storage is not None:
-                self.write_backup_storage(node)
+                self.storage.backup(node)
 
-    def write_backup_storage(self, node: TreeNode) -> None:
-        """Back `node`'s host copy up to storage; it stays protected from host eviction until the backup ack."""
-        self.tree.protect_host(node)
-        self.storage.backup(node)
+    def _consume_writes(self, count: int) -> None:
+        """`writing_check` (a `--sync-impl` may replace it), then protect the host copy of each node it handed to
+        the storage tier from host eviction, until that backup is consumed."""
+        queued = len(self.storage.backups) if self.storage is not None else 0
+        self.writing_check(count)
+        for op in self.storage.backups[queued:] if self.storage is not None else ():
+            self.tree.protect_host(op.node)
 
     def loading_check(self, count: int) -> None:
         """Consume `count` load acks: loaded nodes lose the lock their load held."""
@@ -123,15 +124,12 @@ class HiRadixCache(RadixCache, BaseHiCache):
         if not self.sync.polls_locally():
             local = dict.fromkeys(local, 0)
         agreed = self.sync.agree_ack_counts(local)
-        self.writing_check(agreed["write"])
+        self._consume_writes(agreed["write"])
         self.loading_check(agreed["load"])
         if self.storage is not None:
-            self._release_backups(self.storage.release_backups(agreed["backup"]))
+            for node in self.storage.release_backups(agreed["backup"]):
+                self.tree.release_host(node)
         return agreed["write"], agreed["load"]
-
-    def _release_backups(self, nodes: list[TreeNode]) -> None:
-        for node in nodes:
-            self.tree.release_host(node)
 
     def ready_acks(self) -> tuple[int, int]:
         return self.ready
@@ -181,10 +179,10 @@ class HiRadixCache(RadixCache, BaseHiCache):
 
     def flush(self) -> None:
         """Copies in flight are finished and consumed first, alike on every rank; then host and device go."""
-        self.writing_check(len(self.controller.ack_write_queue))
+        self._consume_writes(len(self.controller.ack_write_queue))
         self.loading_check(len(self.controller.ack_load_queue))
-        if self.storage is not None:
-            self._release_backups(self.storage.finish_all())
+        for node in self.storage.finish_all() if self.storage is not None else ():
+            self.tree.release_host(node)
         super().flush()
 
     def _free_node(self, node: TreeNode) -> None:
@@ -277,8 +275,6 @@ class HiRadixCache(RadixCache, BaseHiCache):
     def start_loading(self):
         return self.controller.start_loading()
 
-    # -- time, checks, observation -------------------------------------------------------------------
-
     def advance(self, step: int) -> None:
         self.controller.engine.advance(step)
         if self.storage is not None:
@@ -286,11 +282,16 @@ class HiRadixCache(RadixCache, BaseHiCache):
 
     def check_integrity(self, held_by_requests: int = 0) -> None:
         super().check_integrity(held_by_requests)
-        host = self.host_alloc
-        assert host.available_size() + self.tree.host_size() == host.size, "host slots leaked"
+        assert self.host_alloc.available_size() + self.tree.host_size() == self.host_alloc.size, "host slots leaked"
 
     def host_free(self) -> int:
         return self.host_alloc.available_size()
+
+    def copy_check(self):
+        return self.controller.copy_check
+
+    def summary(self) -> dict:
+        return {"storage": {**self.storage.summary(), **self.storage.backend.stats}} if self.storage else {}
 
     def close(self) -> None:
         self.controller.engine.close()

@@ -2,8 +2,8 @@
 
 The radix tree (radix_tree.py) keeps the structure; this class adds the device pool's slots and the operations
 the scheduler calls: match, lock, insert a finished request, evict least recently used leaves (an evicted node
-leaves the tree), allocate with eviction. `HiRadixCache` (hiradix_cache.py) extends it with the host tier; the
-methods at the end are the points where it does, and do nothing here.
+leaves the tree), allocate with eviction. `HiRadixCache` (hiradix_cache.py) extends it with the host tier, at
+the points `BasePrefixCache` leaves empty (mem_cache/base.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class RadixCache(BasePrefixCache):
         self.tree.dec_lock_ref(node)
 
     def device_room(self) -> int:
-        """Device slots a request may take now: free ones plus those eviction can free."""
         return self.device_alloc.available_size() + self.tree.evictable_size()
 
     def lock_match(self, match: MatchResult) -> tuple[torch.Tensor, TreeNode]:
@@ -93,7 +92,6 @@ class RadixCache(BasePrefixCache):
         return freed
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor:
-        """Device slots for `num_tokens` (whole pages), evicting if needed; PoolExhaustedError if impossible."""
         slots = self.device_alloc.alloc(num_tokens)
         if slots is None:
             self.evict(num_tokens - self.device_alloc.available_size())
@@ -125,7 +123,6 @@ class RadixCache(BasePrefixCache):
         assert accounted == alloc.size, f"device slots leaked: {accounted} accounted of {alloc.size}"
 
     def observe(self) -> dict:
-        """What a step record shows of this cache (step_trace.StepRecord's cache fields)."""
         ready = self.ready_acks()
         return {
             "ready_write": ready[0],
@@ -135,35 +132,9 @@ class RadixCache(BasePrefixCache):
             "host_free": self.host_free(),
         }
 
-    # -- where the host tier joins in (HiRadixCache): nothing to do without one ------------------------
-
-    def advance(self, step: int) -> None:
-        """Step `step` begins: copies due by now finish."""
-
-    def check_hicache_events(self) -> tuple[int, int]:
-        return 0, 0
-
     def ready_acks(self) -> tuple[int, int]:
         """Leading acks this rank saw finished at the last check (its own view): (write, load)."""
         return 0, 0
 
     def host_free(self) -> int:
         return 0
-
-    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
-        """A request arrived: start fetching from storage what of its prompt the tree does not hold."""
-
-    def check_prefetch_progress(self, rid: int) -> int | None:
-        """None while request `rid` must wait for its prefetch; else the tokens it inserted (host-only)."""
-        return 0
-
-    def start_loading(self) -> None:
-        """Start the loads queued while a batch was built; their event, which the forward pass waits on."""
-        return None
-
-    def copies_in_flight(self) -> bool:
-        """Whether unconsumed copies still hold locks or requests (a stalled schedule may still move)."""
-        return False
-
-    def close(self) -> None:
-        """Finish every copy and stop the cache's workers."""

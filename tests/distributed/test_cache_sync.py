@@ -58,12 +58,30 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
         sync.drain_async_work()
         out[f"drain/{name}"] = [held, len(sync.work_list)]
         sync.finish()
+    if groups.layout.tp > 1:
+        out.update(_early_return(rank, groups))
     for name, values in (("equal", {"acks_write": 4, "digest": 99}), ("differ", {"acks_write": 4, "digest": rank})):
         try:
             CacheSync.check_consensus(7, values)
             out[f"consensus/{name}"] = "agree"
         except ConsensusError as exc:
             out[f"consensus/{name}"] = str(exc)
+    return out
+
+
+def _early_return(rank: int, groups) -> dict[str, list]:
+    """Rank 0 saw nothing finish. With `always_agree` every rank enters the agreement; without it rank 0 returns
+    early, and its next agreement (here, with 1 write finished) meets the one its attention-TP peer (2 writes)
+    is waiting in: rank 1 consumes the MIN with rank 0's next step (SGLang #28430; in the scheduler loop, a
+    deadlock)."""
+    out = {}
+    for name, off in (("kept", ()), ("dropped", ("always_agree",))):
+        sync = CacheSync("legacy", groups, _fixes("legacy", off))
+        calls = [{"write": 0, "load": 0}] if rank == 0 else [{"write": rank + 1, "load": 0}]
+        if rank == 0 and off:
+            calls.append({"write": 1, "load": 0})
+        out[f"early_return/{name}"] = [sync.agree_ack_counts(local)["write"] for local in calls]
+        sync.finish()
     return out
 
 
@@ -150,3 +168,11 @@ def test_consensus_check_passes_equal_values_and_names_the_first_that_differs(wo
     size = len(got["consensus/equal"])
     assert got["consensus/equal"] == ["agree"] * size
     assert got["consensus/differ"] == [f"ranks disagree on digest at step 7: min 0, max {size - 1}"] * size
+
+
+def test_every_rank_enters_the_agreement_even_when_it_saw_nothing_finish(world):
+    name, got = world
+    if name != "tp2cp2":
+        return  # attention-TP groups of one rank: nothing to enter
+    assert got["early_return/kept"] == [[0], [0], [3], [3]]  # the MIN of this step, on both peers
+    assert got["early_return/dropped"] == [[0, 1], [1], [3], [3]]  # rank 1 met rank 0's next step

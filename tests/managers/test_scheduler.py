@@ -110,3 +110,36 @@ def test_a_host_hit_is_loaded_back_and_the_forward_pass_waits_for_it(groups):
     batch = s.schedule(6)
     assert batch.kind == "prefill" and again.cached_host == 21 and again.cached_device == 0
     assert batch.forward.load_event is not None  # each layer's attention waits for that layer's bytes
+
+
+def test_requests_with_the_same_prompt_at_once_return_their_duplicate_slots(groups):
+    s = scheduler(groups, tokens=64)
+    prompt = list(range(200, 216))
+    twins = [req(0, prompt), req(1, prompt)]
+    s.add(twins)
+    batch, _ = step(s, 0)
+    assert [r.cached_device for r in batch.reqs] == [0, 0]  # neither finds the other: both compute the prompt
+    step(s, 1)
+    assert all(r.finished for r in twins) and not s.running
+    s.cache.check_integrity()  # the second insert found the first's pages: its own copies went back to the pool
+    assert s.cache.device_alloc.available_size() + s.cache.tree.device_size() == 64
+
+
+def test_a_prefix_split_between_device_and_host_is_unlocked_when_its_request_ends(groups):
+    s = scheduler(groups, tokens=48, hicache=True)
+    first = served(s, list(range(20)))
+    branch = req(1, list(range(10)) + list(range(300, 310)))  # shares 10 tokens: the tree splits there
+    s.add([branch])
+    for i in range(2, 4):
+        step(s, i)
+    filler = req(2, list(range(400, 426)), new_tokens=2)  # room for it evicts the two tails to the host
+    s.add([filler])
+    for i in range(4, 8):
+        step(s, i)
+    again = req(3, first.prompt + first.output + [61])
+    s.add([again])
+    for i in range(8, 11):
+        step(s, i)
+    assert again.finished and again.cached_device == 10 and again.cached_host == 11  # device head, host tail
+    assert all(node.lock_ref == 0 for node in s.cache.tree.nodes()), "a lock outlived its request"
+    s.cache.check_integrity()
