@@ -8,12 +8,14 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint notebooks clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q -e '.[mooncake]' || echo "Mooncake is not installable here: its tests will skip"
+	$(PY) -m pip install -q --no-deps sglang==0.5.23 -r requirements-sglang-cpu.txt \
+		|| echo "sglang is not installable here: its source beside the lab's is skipped"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -1,5 +1,6 @@
-"""SGLang beside the lab: its own synchronization source (notebooks 02 and 03, where `sglang` is importable),
-and its bench_multiturn results beside a run's hit rates (`run --compare-sglang LOG`).
+"""SGLang beside the lab: its own synchronization source (notebooks 02 and 03, where sglang 0.5.23 is installed:
+`make` installs it, and sglang_cpu.py lets it import beside a CPU torch), and its bench_multiturn results beside
+a run's hit rates (`run --compare-sglang LOG`).
 
 SGLang moved HiCache between releases (`mem_cache/hiradix_cache.py`; in 0.5.23 `mem_cache/unified_radix_cache.py`),
 so methods are looked up by name in every class of the modules that exist.
@@ -15,11 +16,13 @@ from __future__ import annotations
 import html
 import importlib
 import inspect
+import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..mooncake_trace import read_jsonl
 from .plots import plot_against_sglang
+from .sglang_cpu import SGLANG_VERSION, prepare_imports
 
 SGLANG_MODULES = (
     "sglang.srt.mem_cache.hiradix_cache",
@@ -29,21 +32,24 @@ SGLANG_MODULES = (
 
 
 def sglang_methods(names: tuple[str, ...]) -> dict[str, str] | None:
-    """{"module.Class.method": source} for every method called one of `names`; None without sglang."""
+    """{"module.Class.method": source} for every method called one of `names`; None without sglang 0.5.23."""
     try:
-        importlib.import_module("sglang")
-    except ImportError:
+        prepare_imports()
+    except RuntimeError:
         return None
     found = {}
-    for module_name in SGLANG_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # a module of another release, or one needing a GPU at import
-            continue
-        for class_name, cls in inspect.getmembers(module, inspect.isclass):
-            for name in names:
-                if cls.__module__ == module_name and name in vars(cls):
-                    found[f"{module_name}.{class_name}.{name}"] = inspect.getsource(vars(cls)[name])
+    with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA, tqdm in Jupyter
+        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        for module_name in SGLANG_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except Exception:  # a module of another release, or one needing a GPU at import
+                continue
+            for class_name, cls in inspect.getmembers(module, inspect.isclass):
+                for name in names:
+                    if cls.__module__ == module_name and name in vars(cls):
+                        found[f"{module_name}.{class_name}.{name}"] = inspect.getsource(vars(cls)[name])
     return found
 
 
@@ -52,7 +58,7 @@ def side_by_side(ours: list, names: tuple[str, ...]) -> str:
     left = "\n\n".join(inspect.getsource(fn) for fn in ours)
     theirs = sglang_methods(names)
     if theirs is None:
-        right = "sglang is not importable here: its source is skipped.\n(environment-gpu.yml installs it.)"
+        right = f"sglang {SGLANG_VERSION} is not installed here: its source is skipped.\n(make installs it.)"
     else:
         right = "\n\n".join(f"# {where}\n{source}" for where, source in theirs.items()) or f"no method named {names}"
     cell = '<td style="vertical-align:top;text-align:left"><pre style="font-size:11px">{}</pre></td>'

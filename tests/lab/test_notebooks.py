@@ -19,6 +19,15 @@ def test_there_are_notebooks():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_committed_outputs_hold_no_warnings_or_machine_paths(path):
+    """Outputs are committed for reading unrun: a warning printed by an import would show an install path."""
+    nb = nbformat.read(path, as_version=4)
+    streams = [o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    leaked = [line for text in streams for line in text.splitlines() if "site-packages" in line or "Warning:" in line]
+    assert not leaked, f"{path.name}: {leaked[:3]}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_in_quick_mode(path, tmp_path):
     copy = tmp_path / path.name
     shutil.copy(path, copy)

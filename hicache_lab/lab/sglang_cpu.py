@@ -1,0 +1,84 @@
+"""What it takes to import sglang 0.5.23's cache modules beside a CPU build of torch: the one place the lab
+stands in for something of SGLang's environment. Nothing of SGLang's is copied or changed here.
+
+* `torchvision`. The cache modules reach it through `sglang.srt.configs` (multimodal processors), and
+  `transformers` imports `torchvision.io` once it finds the package. The registry's torchvision wheels are built
+  against CUDA torch and do not load beside the CPU one, and nothing on the cache path uses them. So where no
+  real torchvision imports, `torchvision` and its submodules are served by placeholders: any attribute is an
+  inert stand-in.
+
+The Makefile installs sglang itself with `--no-deps` (its own requirements pin a CUDA torch) and its pure-Python
+dependencies from requirements-sglang-cpu.txt.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+SGLANG_VERSION = "0.5.23"
+
+
+class _StandIn:
+    """Whatever a placeholder module is asked for: callable, subscriptable, a base class, never useful."""
+
+    def __getattr__(self, name: str) -> _StandIn:
+        return self
+
+    def __call__(self, *args, **kwargs) -> _StandIn:
+        return self
+
+    def __iter__(self):
+        return iter(())
+
+    def __mro_entries__(self, bases: tuple) -> tuple:
+        return (object,)
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name: str) -> _StandIn:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn()
+
+
+class _TorchvisionPlaceholders(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, fullname: str, path, target=None):
+        if fullname == "torchvision" or fullname.startswith("torchvision."):
+            return importlib.util.spec_from_loader(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec) -> types.ModuleType:
+        return _PlaceholderModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__version__ = "0.0.0+placeholder"
+
+
+def sglang_version() -> str | None:
+    """The installed sglang's version, None where it is not installed (nothing is imported to find out)."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def prepare_imports() -> None:
+    """Let sglang's cache modules import here: torchvision placeholders where no real torchvision loads.
+    Raises RuntimeError, saying what to install, where sglang is missing or not the version the lab reads."""
+    version = sglang_version()
+    if version != SGLANG_VERSION:
+        found = f"sglang {version} is installed" if version else "sglang is not installed"
+        raise RuntimeError(f"{found}; the lab reads sglang {SGLANG_VERSION}: make installs it")
+    if any(isinstance(f, _TorchvisionPlaceholders) for f in sys.meta_path):
+        return
+    try:
+        importlib.import_module("torchvision")
+    except Exception:  # missing, or a wheel built against another torch
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.meta_path.append(_TorchvisionPlaceholders())
