@@ -76,7 +76,7 @@ def install(impls: dict[str, Callable], sync, cache) -> None:
 def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: StageLoop) -> None:
     """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts."""
     if cfg.cache.skip_load_wait:
-        _after_schedule(loop.scheduler, _drop_load_event)
+        _skip_load_wait(loop.scheduler)
     if not cfg.parallel.fault:
         return
     kind, fault_rank, n = cfg.parallel.fault_spec
@@ -93,21 +93,17 @@ def _kill_at(step: int, iteration: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)  # no exception, no result: as if the process were lost
 
 
-def _after_schedule(scheduler: Scheduler, action) -> None:
+def _skip_load_wait(scheduler: Scheduler) -> None:
+    """Every batch's forward pass reads loaded KV without waiting for the load; the acks still wait as before."""
     schedule = scheduler.schedule
 
     def hooked(iteration: int):
         batch = schedule(iteration)
-        action(batch)
+        if batch.forward is not None:
+            batch.forward.load_event = None
         return batch
 
     scheduler.schedule = hooked
-
-
-def _drop_load_event(batch) -> None:
-    """The forward pass no longer waits for the batch's loads; their acks still wait as before."""
-    if batch.forward is not None:
-        batch.forward.load_event = None
 
 
 def _bad_write(controller: HiCacheController, kind: str, n: int) -> None:
