@@ -4,6 +4,10 @@ installed.
 Its API differs between versions, so `probe_sglang` tries every known way of building and calling it on a tiny
 example and keeps the first that behaves as a radix tree. `SGLangCache` then offers what the other
 implementations (radix_impls.py) offer: `name`, `size`, prepare_key, match, insert and evict.
+
+Beside a CPU torch, sglang 0.5.23 (the `sglang` extra) imports only with the lab's torchvision placeholders
+(`hicache_lab.lab.sglang_cpu.prepare_imports`); another version is imported without them, which works where a
+torchvision that loads is installed.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ import dataclasses
 import importlib
 import importlib.util
 import itertools
+import warnings
 from array import array
 from collections.abc import Callable
 
 import torch
 
 from bench.common import check
+from hicache_lab.lab.sglang_cpu import prepare_imports
 from hicache_lab.mem_cache.radix_tree import Key
 
 
@@ -197,10 +203,18 @@ def probe_sglang(page_size: int) -> tuple[SGLangApi | None, str]:
     if importlib.util.find_spec("sglang") is None:
         return None, "skipped: sglang not importable"
     try:
-        module = importlib.import_module("sglang.srt.mem_cache.radix_cache")
+        prepare_imports()  # torchvision placeholders where no real torchvision loads
+        refused = ""
+    except RuntimeError as e:  # not the version the lab reads: import it as it is
+        refused = f"; {e}"
+    try:
+        with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA
+            warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+            module = importlib.import_module("sglang.srt.mem_cache.radix_cache")
         variants = list(_sglang_variants(module, page_size))
     except Exception as e:  # any import or layout failure is a reason to skip
-        return None, f"skipped: cannot import sglang.srt.mem_cache.radix_cache ({type(e).__name__}: {e})"
+        why = f"{type(e).__name__}: {e}{refused}"
+        return None, f"skipped: cannot import sglang.srt.mem_cache.radix_cache ({why})"
     errors = []
     for api in variants:
         try:

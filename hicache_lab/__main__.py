@@ -1,4 +1,5 @@
-"""Command line: `python -m hicache_lab run ...` (one configuration) and `python -m hicache_lab demo`."""
+"""Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
+`soak`, `zoo`, `exhaustive`, `conform`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from .entrypoints.args import add_run_flags, config_from_args
 from .entrypoints.launch import run, run_under_torchrun
 from .entrypoints.report import divergence_words, mean_hit_rate
 from .errors import ConfigError
+from .lab.conformance import add_conform_flags, cmd_conform
 from .lab.exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .lab.figures import add_figures_flags, cmd_figures
 from .lab.plots import plot_hit_rates, plot_queue_divergence
@@ -104,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_exhaustive_flags(exhaustive_parser)
     exhaustive_parser.set_defaults(func=cmd_exhaustive)
+    conform_parser = commands.add_parser(
+        "conform", help="replay a run's recorded cache operations through SGLang 0.5.23's cache and compare"
+    )
+    add_conform_flags(conform_parser)
+    conform_parser.set_defaults(func=cmd_conform)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -258,6 +258,7 @@ class RunConfig:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_outputs: bool = False
+    record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (mem_cache/recording.py) for `conform`
 
     def __post_init__(self) -> None:
         longest = self.workload.longest_sequence()

@@ -113,6 +113,11 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
     parser.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host tier (L2)")
     parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
     parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
+    parser.add_argument(
+        "--record-cache-ops",
+        action="store_true",
+        help="write every cache operation and its answer to DIR/rank{R}.cache_ops.jsonl, for `conform DIR`",
+    )
     parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
     parser.add_argument(
         "--fault",
@@ -175,4 +180,4 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     values["parallel"]["disable_fixes"] = tuple(args.disable_fix)
     values["parallel"]["sync_impls"] = tuple(args.sync_impl)
     sections = {name: SECTIONS[name](**v) for name, v in values.items()}
-    return RunConfig(**sections, check_outputs=args.check_outputs)
+    return RunConfig(**sections, check_outputs=args.check_outputs, record_cache_ops=args.record_cache_ops)

@@ -141,7 +141,7 @@ def _run_world(cfg: RunConfig, out_dir: Path | None, verbose: bool, started: flo
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(out_dir) if out_dir is not None else Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
-        for stale in [*out.glob("rank*.json"), *out.glob("trace_rank*.jsonl")]:
+        for stale in [*out.glob("rank*.json"), *out.glob("trace_rank*.jsonl"), *out.glob("rank*.cache_ops.jsonl")]:
             stale.unlink()
         failed = {}
         if cfg.parallel.world_size == 1:

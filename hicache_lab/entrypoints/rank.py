@@ -23,6 +23,7 @@ from ..managers.workload import Feeder, make_workload
 from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, storage_suffix
+from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
 from .hooks import install, install_faults, resolve
 from .oracle import check_outputs
@@ -69,13 +70,14 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     if c.storage_backend != "none":
         backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
     pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
-    scheduler = Scheduler(cache, cfg.workload.max_running_requests)
+    asked = RecordingCache(cache, ops_path(out_dir, layout.rank), layout.rank) if cfg.record_cache_ops else cache
+    scheduler = Scheduler(asked, cfg.workload.max_running_requests)
     install(resolve(p.sync_impls), sync, cache)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
     install_faults(cfg, layout.rank, cache, loop)
-    return Stage(loop, cache)
+    return Stage(loop, asked)
 
 
 def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path) -> dict:

@@ -1,12 +1,12 @@
 """Exhaustive check on small worlds: every completion timing of a few in-flight host writes, on every stage.
 
-A gloo world of 2 or 3 pipeline stages (processes; no model) runs the real `CacheSync` and `HiRadixCache` of
-each stage through one scripted schedule: at step i a stage inserts sequence i (write-through starts its host
-copy), and every step it advances the copies, consumes the agreed acks (`check_hicache_events`) and evicts one
-sequence's worth of device slots. Copy i completes d_i steps after it was issued (d_i in 0..max_delay, in order,
-as a stream does: `ScriptedCopyEngine`), separately on each stage; every combination of the stages'
-distinct completion timings is played in each sync mode. A schedule *breaks* a mode when two stages hold
-different trees (digest: structure, tiers, locks) after any step.
+A gloo world of 2 or 3 pipeline stages (processes; no model) runs the real `CacheSync` and `HiRadixCache` of each
+stage through one scripted schedule: at step i a stage inserts sequence i (its write-through host copy starts as the
+batch ends), and every step it advances the copies, consumes the agreed acks (`check_hicache_events`) and evicts one
+sequence's worth of device slots. Copy i completes d_i steps after it was issued (d_i in 0..max_delay, in order, as
+a stream does: `ScriptedCopyEngine`), separately on each stage; every combination of the stages' distinct completion
+timings is played in each sync mode. A schedule *breaks* a mode when two stages hold different trees (digest:
+structure, tiers, locks) after any step.
 
     python -m hicache_lab exhaustive --stages 2 --copies 3 --max-delay 2
 """
@@ -73,6 +73,7 @@ def play(delays: tuple[int, ...], steps: int, sync: CacheSync) -> list[str]:
     for step in range(steps):
         if step < copies:
             cache.insert(tuple(range(step * SEQ + 1, (step + 1) * SEQ + 1)), cache.alloc_device(SEQ))
+            cache.flush_pending_backups()  # as a batch's results end
         cache.advance(step)
         cache.check_hicache_events()
         cache.evict(SEQ)

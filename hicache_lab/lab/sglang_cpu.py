@@ -20,6 +20,8 @@ import importlib.util
 import sys
 import types
 
+import torch
+
 SGLANG_VERSION = "0.5.23"
 
 
@@ -82,3 +84,44 @@ def prepare_imports() -> None:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         sys.meta_path.append(_TorchvisionPlaceholders())
+
+
+# -- the three functions of SGLang's host tier that need CUDA, replaced for CPU --------------------------
+
+
+def _unpinned_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """`ALLOC_MEMORY_FUNCS["cpu"]`: SGLang pins host memory with cudaHostRegister; here it stays pageable."""
+    return torch.zeros(dims, dtype=dtype, device=device)
+
+
+def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
+    """`pool_host.mha.transfer_kv_direct` (an sgl_kernel op imported only on CUDA/ROCm): a copy per layer."""
+    for src, dst in zip(src_layers, dst_layers, strict=True):
+        dst[dst_indices] = src[src_indices]
+
+
+def _no_stream_to_wait_for(self) -> None:
+    """`torch.cpu.Stream.synchronize`: missing from torch's CPU stream; SGLang's transfer engine calls it on its
+    error path, where its absence would hide the real exception. CPU copies are synchronous: nothing to wait for."""
+
+
+def install_cpu_replacements() -> None:
+    """Let sglang's host tier run on CPU (after `prepare_imports`). Raises RuntimeError naming what moved if a
+    replaced name is no longer where sglang 0.5.23 keeps it: an upgrade must fail here, loudly."""
+    common = importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+    mha = importlib.import_module("sglang.srt.mem_cache.pool_host.mha")
+    missing = [
+        name
+        for name, present in (
+            ("pool_host.common.ALLOC_MEMORY_FUNCS", hasattr(common, "ALLOC_MEMORY_FUNCS")),
+            ("pool_host.mha.MHATokenToKVPoolHost", hasattr(mha, "MHATokenToKVPoolHost")),
+            ("torch.cpu.Stream", hasattr(torch.cpu, "Stream")),
+        )
+        if not present
+    ]
+    if missing:
+        raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang_cpu.py follows {SGLANG_VERSION}")
+    common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
+    mha.transfer_kv_direct = _transfer_kv_direct  # a module global only where CUDA imported it
+    if not hasattr(torch.cpu.Stream, "synchronize"):
+        torch.cpu.Stream.synchronize = _no_stream_to_wait_for

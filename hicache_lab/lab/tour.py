@@ -2,7 +2,7 @@
 
 `OneRank.serve(tokens)` does what the scheduler does for one request, without a model: match the prefix,
 lock it, load back what only the host holds, allocate slots for the rest (evicting if needed), write its KV,
-insert it (write-through starts the host copy) and unlock. `step()` is the start of the next scheduler step:
+insert it and unlock; its write-through host copy starts as the batch ends. `step()` is the start of the next scheduler step:
 copies due by now finish (virtual latency) and the cache consumes the finished acks. A world of one: the
 agreement calls run on size-1 groups, exactly where they run on many ranks.
 """
@@ -55,6 +55,7 @@ class OneRank:
         k, v = self.pool.buffers(0)
         k[own], v[own] = 1.0, -1.0  # the "forward pass" writes this request's new KV
         self.cache.cache_finished_req(key, torch.cat([prefix, own]), len(prefix), last)
+        self.cache.flush_pending_backups()  # the batch ends: its host writes start, as one copy
         loaded = len(prefix) - len(match.device_indices)
         return {"device_hit": len(match.device_indices), "loaded_from_host": loaded, "new": len(key) - len(prefix)}
 

@@ -3,7 +3,8 @@
     advance copies -> check_hicache_events (agreed ack counts) -> build a prefill batch (match_prefix,
     lock_match: load back what only the host holds, allocate/evict) -> start_loading
 
-and `process_result()` appends sampled tokens and inserts finished requests (write-through starts here).
+and `process_result()` appends sampled tokens and inserts finished requests; the host writes those inserts ask
+for start together when it ends (`flush_pending_backups`, as SGLang's `process_batch_result`).
 
 A prefill batch runs when a waiting request can be admitted (at most `max_running_requests` in flight, and
 only if its whole sequence fits in free plus evictable device slots); otherwise the running requests decode
@@ -81,6 +82,7 @@ class Scheduler:
         finished = [r for r in batch.reqs if r.finished]
         for req in finished:
             self._cache_finished_req(req)
+        self.cache.flush_pending_backups()  # SGLang: "before the next scheduler step"
         self.running = [r for r in self.running if not r.finished]
         return finished
 

@@ -122,7 +122,8 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
         """A request is done: insert its whole pages, free the slots the tree already held and the unused tail,
-        release its lock on `last_node`. Returns `insert`'s count."""
+        release its lock on `last_node`. Returns how many leading tokens the tree already held on either tier
+        (SGLang's `InsertResult.prefix_len`: a host-only node on the path takes the request's slots)."""
 
     @abstractmethod
     def flush(self) -> None:
@@ -145,6 +146,10 @@ class BasePrefixCache(ABC):
     def check_hicache_events(self) -> tuple[int, int]:
         """Acks consumed at the start of the step: (write, load)."""
         return 0, 0
+
+    def flush_pending_backups(self) -> None:
+        """A batch's results are processed: start, as one copy, the host writes its inserts queued."""
+        return None
 
     def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
         """A request arrived: start fetching from storage what of its prompt the tree does not hold."""

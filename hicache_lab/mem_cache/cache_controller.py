@@ -1,9 +1,11 @@
 """HiCacheController: issues device<->host copies and keeps their acknowledgement queues.
 
-Writes start as soon as they are asked for (write-through backs up a node the moment it is inserted); loads
-are queued during batch building and started together, layer by layer, by `start_loading()` right before
-the forward pass. Each started copy leaves a `HiCacheAck` in `ack_write_queue` / `ack_load_queue`; the
-cache (hiradix_cache.py) consumes them in FIFO order once the ranks have agreed how many are done.
+As in SGLang 0.5.23 (`managers/cache_controller.py`), both directions queue and start merged: the writes a
+batch's inserts ask for start together, as one copy, by `start_writing()` once the batch's results are processed
+(SGLang's `flush_pending_backups`); loads are queued during batch building and started together, layer by
+layer, by `start_loading()` right before the forward pass. Each started copy leaves one `HiCacheAck` (naming
+every node it carries) in `ack_write_queue` / `ack_load_queue`; the cache (hiradix_cache.py) consumes them in
+FIFO order once the ranks have agreed how many are done.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class HiCacheController:
         self.engine = engine
         self.ack_write_queue: list[HiCacheAck] = []
         self.ack_load_queue: list[HiCacheAck] = []
+        self.write_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.copy_check = CopyCheck(enabled=check_copies)
         self.copy_checksum = copy_checksum
@@ -72,18 +75,22 @@ class HiCacheController:
     def write(self, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
         """Back `device_indices` up to freshly allocated host slots; None when the host pool is full.
 
-        Returns the host slots, and with `queue_ack=False` (write-back eviction) also the event to wait on.
+        Queued for the next `start_writing()`, which returns the host slots; with `queue_ack=False` (write-back
+        eviction) the copy starts at once, alone, and the event to wait on comes back too.
         """
         host_indices = self.host_alloc.alloc(len(device_indices))
         if host_indices is None:
             return None
-        job = self.write_job(host_indices, device_indices)
-        checksum = self._checksum(self.device_pool, device_indices) if self.copy_checksum else None
-        ack = HiCacheAck(self.engine.submit("write", job), [node_id], host_indices, device_indices, checksum)
         if queue_ack:
-            self.ack_write_queue.append(ack)
+            self.write_queue.append((host_indices, device_indices, node_id))
             return host_indices
-        return host_indices, ack
+        return host_indices, self._submit("write", [(host_indices, device_indices, node_id)])
+
+    def start_writing(self) -> None:
+        """Start every queued write as one copy (SGLang's `start_writing`)."""
+        if self.write_queue:
+            self.ack_write_queue.append(self._submit("write", self.write_queue))
+            self.write_queue = []
 
     def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
         """Reserve device slots for a load started by the next `start_loading()`; None when full."""
@@ -96,15 +103,21 @@ class HiCacheController:
         """Start every queued load as one layer-by-layer copy; returns its event (None if none queued)."""
         if not self.load_queue:
             return None
-        host_idx = torch.cat([h for h, _, _ in self.load_queue])
-        device_idx = torch.cat([d for _, d, _ in self.load_queue])
-        node_ids = [n for _, _, n in self.load_queue]
+        ack = self._submit("load", self.load_queue)
         self.load_queue = []
-        job = self._job(False, host_idx, device_idx)
-        checksum = self._checksum(self.host_pool, host_idx) if self.copy_checksum else None
-        ack = HiCacheAck(self.engine.submit("load", job), node_ids, host_idx, device_idx, checksum)
         self.ack_load_queue.append(ack)
         return ack.finish_event
+
+    def _submit(self, stream: str, queued: list[tuple[torch.Tensor, torch.Tensor, int]]) -> HiCacheAck:
+        """One copy of the queued (host slots, device slots, node) triples on `stream`, and its ack."""
+        host_idx = torch.cat([h for h, _, _ in queued])
+        device_idx = torch.cat([d for _, d, _ in queued])
+        node_ids = [n for _, _, n in queued]
+        to_host = stream == "write"
+        job = self.write_job(host_idx, device_idx) if to_host else self._job(False, host_idx, device_idx)
+        source = (self.device_pool, device_idx) if to_host else (self.host_pool, host_idx)
+        checksum = self._checksum(*source) if self.copy_checksum else None
+        return HiCacheAck(self.engine.submit(stream, job), node_ids, host_idx, device_idx, checksum)
 
     @staticmethod
     def finished_acks(queue: list[HiCacheAck]) -> int:

@@ -17,19 +17,18 @@ from .base import BaseHiCache
 from .cache_controller import HiCacheController
 from .memory_pool import PageAllocator
 from .radix_cache import RadixCache
-from .radix_tree import TreeNode
+from .radix_tree import InsertResult, TreeNode
 from .storage_tier import StorageTier
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 
 
-def _retry(attempt, make_room, size: int):
-    """Try once, make room for `size` tokens, try again (SGLang's evict-and-retry)."""
-    result = attempt()
-    if result is None:
-        make_room(size)
-        result = attempt()
-    return result
+def _make_room(alloc: PageAllocator, num_tokens: int, evict) -> None:
+    """Evict what `alloc` lacks for `num_tokens` (the shortfall, as SGLang's `_execute_kv_backup` and
+    `_load_back_transfers` do)."""
+    shortfall = num_tokens - alloc.available_size()
+    if shortfall > 0:
+        evict(shortfall)
 
 
 class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstract methods must be met here
@@ -50,11 +49,11 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     # -- insertion and write-through -----------------------------------------------------------------
 
-    def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+    def _insert(self, key: tuple[int, ...], value: torch.Tensor) -> InsertResult:
         result = self.tree.insert(key, value)
         for node in result.touched:
             self._inc_hit_count(node)
-        return result.prefix_len
+        return result
 
     def _inc_hit_count(self, node: TreeNode) -> None:
         if self.cfg.write_policy == "write_back" or node.backuped:
@@ -67,7 +66,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         """Start backing `node` up to the host; it stays locked until the write ack is consumed."""
         if node.parent is not self.tree.root and not node.parent.backuped:
             return 0
-        host_indices = _retry(lambda: self.controller.write(node.value, node.id), self.evict_host, len(node.key))
+        _make_room(self.host_alloc, len(node.key), self.evict_host)
+        host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
             return 0
         node.host_value = host_indices
@@ -77,7 +77,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def _write_back(self, node: TreeNode) -> None:
         """write_back: copy an evicting node to the host now and wait for it (if the host has room)."""
-        written = _retry(lambda: self.controller.write(node.value, node.id, False), self.evict_host, len(node.key))
+        _make_room(self.host_alloc, len(node.key), self.evict_host)
+        written = self.controller.write(node.value, node.id, False)
         if written is not None:
             node.host_value, ack = written
             ack.finish_event.synchronize()
@@ -111,9 +112,14 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         """Consume `count` load acks: loaded nodes lose the lock their load held."""
         self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back, count)
 
+    def flush_pending_backups(self) -> None:
+        self.controller.start_writing()
+
     def check_hicache_events(self) -> tuple[int, int]:
-        """Every step: agree in one collective how many leading write, load (and backup) acks every rank
-        consumes (only PP rank 0's polls count with the PP fix), then consume exactly that many."""
+        """Every step: start the writes still queued; agree in one collective how many leading write, load (and
+        backup) acks every rank consumes (only PP rank 0's polls count with the PP fix), then consume exactly
+        that many."""
+        self.flush_pending_backups()
         self.ready = (
             self.controller.finished_acks(self.controller.ack_write_queue),
             self.controller.finished_acks(self.controller.ack_load_queue),
@@ -136,7 +142,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def copies_in_flight(self) -> bool:
         storage_busy = self.storage is not None and self.storage.busy()
-        return storage_busy or bool(self.controller.ack_write_queue or self.controller.ack_load_queue)
+        c = self.controller
+        return storage_busy or bool(c.write_queue or c.ack_write_queue or c.ack_load_queue)
 
     # -- storage -------------------------------------------------------------------------------------
 
@@ -179,6 +186,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def flush(self) -> None:
         """Copies in flight are finished and consumed first, alike on every rank; then host and device go."""
+        self.flush_pending_backups()
         self._consume_writes(len(self.controller.ack_write_queue))
         self.loading_check(len(self.controller.ack_load_queue))
         for node in self.storage.finish_all() if self.storage is not None else ():
@@ -241,7 +249,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.inc_lock_ref(ancestor)
         for n in nodes_to_load:
             self.tree.protect_host(n)
-        device_indices = _retry(lambda: self.controller.load(host_indices, last_hit.id), self.evict, len(host_indices))
+        _make_room(self.device_alloc, len(host_indices), self.evict)
+        device_indices = self.controller.load(host_indices, last_hit.id)
         for n in nodes_to_load:
             self.tree.release_host(n)
         self.dec_lock_ref(ancestor)

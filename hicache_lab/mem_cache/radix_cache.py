@@ -17,7 +17,7 @@ from ..config import CacheConfig
 from ..errors import PoolExhaustedError
 from .base import BasePrefixCache
 from .memory_pool import PageAllocator
-from .radix_tree import MatchResult, RadixTree, TreeNode
+from .radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
 
 
 class RadixCache(BasePrefixCache):
@@ -32,7 +32,10 @@ class RadixCache(BasePrefixCache):
         return self.tree.match_prefix(key)
 
     def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
-        return self.tree.insert(key, value).prefix_len
+        return self._insert(key, value).prefix_len
+
+    def _insert(self, key: tuple[int, ...], value: torch.Tensor) -> InsertResult:
+        return self.tree.insert(key, value)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         self.tree.inc_lock_ref(node)
@@ -50,13 +53,13 @@ class RadixCache(BasePrefixCache):
         """`tokens` are the sequence's whole pages, `slots` every slot the request holds (its `prefix_len`
         cached ones first)."""
         aligned = len(tokens)
-        new_prefix_len = self.insert(tokens, slots[:aligned])
-        if new_prefix_len > prefix_len:
-            self.device_alloc.free(slots[prefix_len:new_prefix_len])
+        inserted = self._insert(tokens, slots[:aligned])
+        if inserted.prefix_len > prefix_len:
+            self.device_alloc.free(slots[prefix_len : inserted.prefix_len])
         if len(slots) > aligned:
             self.device_alloc.free(slots[aligned:])
         self.dec_lock_ref(last_node)
-        return new_prefix_len
+        return inserted.matched
 
     # -- eviction and allocation ---------------------------------------------------------------------
 

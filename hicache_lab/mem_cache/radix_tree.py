@@ -73,6 +73,7 @@ class MatchResult:
 class InsertResult:
     prefix_len: int  # leading tokens the tree already held on the device (the caller frees its copies)
     touched: list[TreeNode]  # nodes on the key's path that hold the caller's data, deepest last
+    matched: int = 0  # leading tokens the tree already held on either tier (SGLang's InsertResult.prefix_len)
 
 
 class RadixTree:
@@ -184,7 +185,7 @@ class RadixTree:
             leaf = self._new_node(node, key[done:], value[done:].clone())
             node.children[key[done : done + self.page_size]] = leaf
             touched.append(leaf)
-        return InsertResult(prefix_len, touched)
+        return InsertResult(prefix_len, touched, done)
 
     def insert_host(self, anchor: TreeNode, key: Key, host_value: torch.Tensor) -> torch.Tensor:
         """Insert `key`, continuing the path ending at `anchor`, as a host-only node holding `host_value`

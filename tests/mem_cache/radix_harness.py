@@ -104,6 +104,7 @@ class Harness(Checks):
 
     def drain(self) -> None:
         """Finish every copy in flight and consume every ack (what waiting steps would do)."""
+        self.cache.flush_pending_backups()
         for ack in self.controller.ack_write_queue + self.controller.ack_load_queue:
             ack.finish_event.synchronize()
         self.cache.check_hicache_events()
@@ -145,14 +146,15 @@ class Harness(Checks):
         self.open.remove(req)
         slots = torch.cat([req.prefix, req.own])
         anywhere, device = tree_prefixes(self.tree)
-        on_device = longest_prefix(req.key, device, self.ps)
-        if longest_prefix(req.key, anywhere, self.ps) > on_device:
+        on_device, held = longest_prefix(req.key, device, self.ps), longest_prefix(req.key, anywhere, self.ps)
+        if held > on_device:
             self.stats["adopted"] += 1  # host-only nodes on the path take the request's slots
         prefix_len = self.cache.cache_finished_req(req.key, slots, len(req.prefix), req.last_node)
-        assert prefix_len == on_device, "insert counts exactly the tokens the tree held on the device"
-        assert prefix_len >= len(req.prefix), "the request's locked prefix must still be on the device"
+        self.cache.flush_pending_backups()  # as the scheduler does once a batch's results are processed
+        assert prefix_len == held, "insert counts exactly the tokens the tree held, on either tier"
+        assert on_device >= len(req.prefix), "the request's locked prefix must still be on the device"
         assert req.key in tree_prefixes(self.tree)[1] or not req.key, "an inserted key is on the device"
-        if prefix_len > len(req.prefix):
+        if on_device > len(req.prefix):
             self.stats["duplicates_freed"] += 1
         self.naive |= aligned_prefixes(req.key, self.ps)
         self.stats["inserted"] += 1

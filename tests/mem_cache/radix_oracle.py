@@ -171,6 +171,7 @@ class Checks:
         """Every tree slot holds its KV; with `in_flight`, destinations of unfinished copies are skipped."""
         skip_dev = self.in_flight_slots(self.controller.ack_load_queue, "device_indices") if in_flight else set()
         skip_host = self.in_flight_slots(self.controller.ack_write_queue, "host_indices") if in_flight else set()
+        skip_host |= {s for host, _, _ in self.controller.write_queue for s in host.tolist()}  # not started yet
         for path, node in tree_paths(self.tree):
             codes = expected_codes(path, len(path) - len(node.key), len(path))
             for tier, slots, skip, buffers in (

@@ -1,0 +1,290 @@
+"""SGLang's own cache as the lab's reference: sglang 0.5.23's `UnifiedRadixCache` (with its
+`HybridCacheController` and `MHATokenToKVPoolHost` for the host tier), built on CPU in this process with small
+pools (`layer_first` host layout, the `direct` io backend), answering the questions the lab's scheduler asks
+its cache (`mem_cache/base.BasePrefixCache`), in the lab's terms: token tuples in, lengths and slot tensors out.
+
+Nothing here decides anything: each method calls SGLang's own entry point, the one SGLang's scheduler calls
+(`match_prefix`, `inc_lock_ref` / `dec_lock_ref`, `init_load_back`, `evict`, `insert`, `check_hicache_events`,
+`ready_to_load_host_cache`, `evict_host`, `reset`). What the lab supplies is the world around the cache:
+
+* no torch.distributed world: SGLang's agreements (`_all_reduce`, `_pp_sync`) are no-ops without a cache group
+  and with `pp_size = 1`, so the ranks' agreement is what this one rank sees;
+* the copies' completion: on CPU SGLang's copies finish as they are issued, so each copy's finish event is
+  replaced by one from `clock`, a `CopyEngine` that says when the copy is done: the lab's own virtual latency
+  model (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (each copy
+  finishes at the step the recorded rank consumed it).
+
+`conformance.py` drives this and the lab's cache with the same operations and compares their answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+import warnings
+from array import array
+from typing import NamedTuple
+
+import torch
+
+from ..config import CacheConfig
+from ..errors import PoolExhaustedError
+from ..mem_cache.copy_engine import STREAMS, CopyJob
+from .sglang_cpu import install_cpu_replacements, prepare_imports
+
+_NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
+
+
+class SGLangMatch(NamedTuple):
+    """`match_prefix`'s answer with the lab's field names (nodes are SGLang's node ids)."""
+
+    device_indices: torch.Tensor
+    last_device_node: int
+    last_host_node: int
+    host_hit_length: int
+
+
+class AgreedCompletion:
+    """Copy completion replayed from a recorded run: the `k`-th copy of a stream is done once the recorded rank
+    had consumed more than `k` acks of it (`allow` is called with each recorded `check_hicache_events` answer
+    before SGLang's runs). A wait on a copy not yet allowed completes it and those before it, as a CUDA stream
+    would."""
+
+    class Event:
+        def __init__(self, owner: AgreedCompletion, stream: str, index: int):
+            self.owner, self.stream, self.index = owner, stream, index
+
+        def query(self) -> bool:
+            return self.index < self.owner.allowed[self.stream]
+
+        def synchronize(self) -> None:
+            allowed = self.owner.allowed
+            allowed[self.stream] = max(allowed[self.stream], self.index + 1)
+
+        def wait_layer(self, layer: int) -> None:
+            return None
+
+    def __init__(self):
+        self.submitted = dict.fromkeys(STREAMS, 0)
+        self.allowed = dict.fromkeys(STREAMS, 0)
+        self.consumed = dict.fromkeys(STREAMS, 0)
+
+    def allow(self, write: int, load: int) -> None:
+        """The recorded rank consumes `write` and `load` more acks now."""
+        for stream, count in zip(STREAMS, (write, load), strict=True):
+            self.consumed[stream] += count
+            self.allowed[stream] = max(self.allowed[stream], self.consumed[stream])
+
+    def submit(self, stream: str, job) -> Event:
+        self.submitted[stream] += 1
+        return self.Event(self, stream, self.submitted[stream] - 1)
+
+    def advance(self, step: int) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def _sglang():
+    """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
+    prepare_imports()
+    with warnings.catch_warnings():  # quantization modules met on the way warn that only CUDA supports them
+        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        from sglang.srt import server_args
+        from sglang.srt.managers import cache_controller
+        from sglang.srt.mem_cache import (
+            base_prefix_cache,
+            cache_init_params,
+            l2_transfer,
+            memory_pool,
+            radix_cache,
+            unified_radix_cache,
+        )
+        from sglang.srt.mem_cache.allocator import paged, token
+        from sglang.srt.mem_cache.unified_cache import component_type
+    install_cpu_replacements()
+    # CPU events keep no time, so SGLang's copy timing is off; it says so at every copy engine it builds.
+    logging.getLogger(l2_transfer.__name__).setLevel(logging.ERROR)
+    return types.SimpleNamespace(
+        params=base_prefix_cache,
+        RadixKey=radix_cache.RadixKey,
+        UnifiedRadixCache=unified_radix_cache.UnifiedRadixCache,
+        TokenAllocator=token.TokenToKVPoolAllocator,
+        PagedAllocator=paged.PagedTokenToKVPoolAllocator,
+        CacheInitParams=cache_init_params.CacheInitParams,
+        MHATokenToKVPool=memory_pool.MHATokenToKVPool,
+        ReqToTokenPool=memory_pool.ReqToTokenPool,
+        FULL=component_type.ComponentType.FULL,
+        ServerArgs=server_args.ServerArgs,
+        publish=server_args.set_global_server_args_for_scheduler,
+        controller=cache_controller,
+    )
+
+
+class SGLangCache:
+    """One rank's SGLang cache on CPU, sized like the lab's: `cfg.max_total_tokens` device slots, and with
+    `cfg.enable_hierarchical_cache` a host pool of exactly `host_tokens` slots."""
+
+    def __init__(self, cfg: CacheConfig, host_tokens: int, clock, num_layers: int = 2):
+        sg = self.sg = _sglang()
+        self.cfg, self.clock = cfg, clock
+        ps, size = cfg.page_size, cfg.max_total_tokens
+        hierarchical = cfg.enable_hierarchical_cache
+        # SGLang sizes its host pool as int(device tokens * ratio) // page + 1 pages: the ratio that gives the lab's.
+        ratio = (host_tokens - ps) / size if hierarchical else 2.0
+        server_args = sg.ServerArgs(
+            model_path="dummy",
+            device="cpu",
+            page_size=ps,
+            enable_hierarchical_cache=hierarchical,
+            hicache_io_backend="direct",
+            hicache_mem_layout="layer_first",
+            hicache_write_policy=cfg.write_policy,
+            hicache_ratio=ratio + 1e-9,
+            hicache_size=0,
+        )
+        sg.publish(server_args)
+        kv = sg.MHATokenToKVPool(
+            size,
+            ps,
+            torch.float32,
+            head_num=1,
+            head_dim=2,
+            layer_num=num_layers,
+            device="cpu",
+            enable_memory_saver=False,
+        )
+        if ps == 1:
+            self.allocator = sg.TokenAllocator(size, torch.float32, "cpu", kv, need_sort=False)
+        else:
+            self.allocator = sg.PagedAllocator(size, ps, torch.float32, "cpu", kv, need_sort=False)
+        params = sg.CacheInitParams(
+            disable=False,
+            req_to_token_pool=sg.ReqToTokenPool(8, 8, "cpu", False),
+            token_to_kv_pool_allocator=self.allocator,
+            page_size=ps,
+            tree_components=(sg.FULL,),
+        )
+        self.cache = sg.UnifiedRadixCache(params)
+        self.controller = None
+        if hierarchical:
+            self.cache.init_hicache(server_args, params)
+            self.controller = self.cache.cache_controller
+            self._time_copies_by(clock)
+            host = self.controller.mem_pool_host.available_size()
+            if host != host_tokens:
+                raise RuntimeError(f"SGLang's host pool holds {host} tokens, the lab's {host_tokens}")
+        self.locks: dict[int, list] = {}  # node id -> receipts of the locks the lab's caller holds on it
+
+    def _time_copies_by(self, clock) -> None:
+        """Every copy SGLang's transfer engine issues gets its finish event from `clock` (per stream)."""
+        engine = self.controller.l2_transfer_engine
+        for method, stream in (("submit_device_to_host", "write"), ("submit_host_to_device", "load")):
+            issue = getattr(engine, method)
+
+            def timed(*args, _issue=issue, _stream=stream, **kwargs):
+                completion = _issue(*args, **kwargs)
+                return completion._replace(finish_event=clock.submit(_stream, _NO_LAYERS))
+
+            setattr(engine, method, timed)
+
+    # -- the questions ------------------------------------------------------------------------------
+
+    def key(self, tokens) -> object:
+        return self.sg.RadixKey(array("q", tokens))
+
+    def match_prefix(self, tokens: tuple[int, ...]) -> SGLangMatch:
+        result = self.cache.match_prefix(self.sg.params.MatchPrefixParams(key=self.key(tokens)))
+        device = self.cache.path_device_indices(result.last_device_node)
+        assert len(device) == result.device_prefix_len
+        return SGLangMatch(device, result.last_device_node, result.best_match_node, result.host_hit_length)
+
+    def inc_lock_ref(self, node: int) -> None:
+        self.locks.setdefault(node, []).append(self.cache.inc_lock_ref(node).to_dec_params())
+
+    def dec_lock_ref(self, node: int) -> None:
+        self.cache.dec_lock_ref(node, self.locks[node].pop())
+
+    def device_room(self) -> int:
+        return self.allocator.available_size() + self.cache.evictable_size()
+
+    def evict(self, num_tokens: int) -> int:
+        return self.cache.evict(self.sg.params.EvictParams(num_tokens=num_tokens)).num_tokens_evicted
+
+    def evict_host(self, num_tokens: int) -> int:
+        return self.cache.evict_host(num_tokens)
+
+    def alloc_device(self, num_tokens: int) -> torch.Tensor:
+        """As SGLang's scheduler allocates (`alloc_token_slots`): evict the shortfall, then allocate."""
+        self.allocator.evict_to_free_tokens(self.cache, num_tokens)
+        slots = self.allocator.alloc(num_tokens)
+        if slots is None:
+            raise PoolExhaustedError(f"SGLang's device pool: {num_tokens} tokens asked")
+        return slots
+
+    def init_load_back(self, match: SGLangMatch) -> tuple[int, int]:
+        """Load back a match's host-only tail (SGLang decides, from its threshold): (tokens loaded, the node the
+        usable prefix now ends at)."""
+        req = types.SimpleNamespace(  # the fields of SGLang's Req that a full-attention load back reads
+            rid="lab",
+            last_node=match.last_device_node,
+            swa_host_hit_length=0,
+            mamba_host_hit_length=0,
+            kv=types.SimpleNamespace(mamba_pool_idx=None),
+        )
+        params = self.sg.params.InitLoadBackParams(match.last_host_node, match.host_hit_length, req=req)
+        return self.cache.init_load_back(params)
+
+    def lock_match(self, match: SGLangMatch) -> tuple[torch.Tensor, int]:
+        """The lab's `lock_match`: the caller holds a lock on the match's device node; with a host hit, load back
+        and move the lock to the node the prefix ends at."""
+        if match.host_hit_length == 0:
+            return match.device_indices, match.last_device_node
+        loaded, last = self.init_load_back(match)
+        self.inc_lock_ref(last)
+        self.dec_lock_ref(match.last_device_node)
+        return self.cache.path_device_indices(last), last
+
+    def insert(self, tokens: tuple[int, ...], value: torch.Tensor, prev_prefix_len: int = 0) -> int:
+        """SGLang's insert: frees the caller's duplicates of slots the tree held, past `prev_prefix_len`."""
+        params = self.sg.params.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=prev_prefix_len)
+        return self.cache.insert(params).prefix_len
+
+    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
+        """The lab's `cache_finished_req` on SGLang's insert (which frees the duplicates itself)."""
+        aligned = len(tokens)
+        new_prefix_len = self.insert(tokens, slots[:aligned], prev_prefix_len=prefix_len)
+        if len(slots) > aligned:
+            self.allocator.free(slots[aligned:])
+        self.dec_lock_ref(last_node)
+        return new_prefix_len
+
+    def check_hicache_events(self) -> tuple[int, int]:
+        """SGLang's step-start check; returns how many write and load acks it consumed."""
+        if self.controller is None:
+            return 0, 0
+        before = len(self.controller.ack_write_queue), len(self.controller.ack_load_queue)
+        self.cache.check_hicache_events()
+        return before[0] - len(self.controller.ack_write_queue), before[1] - len(self.controller.ack_load_queue)
+
+    def start_loading(self) -> bool:
+        """SGLang's `ready_to_load_host_cache`: whether a load started."""
+        return self.controller is not None and self.cache.ready_to_load_host_cache() >= 0
+
+    def copies_in_flight(self) -> bool:
+        return self.controller is not None and self.controller.has_inflight_device_transfers()
+
+    def flush(self) -> None:
+        self.cache.reset()
+
+    # -- what both caches can be compared on ------------------------------------------------------------
+
+    def device_free(self) -> int:
+        return self.allocator.available_size()
+
+    def host_free(self) -> int:
+        return self.controller.mem_pool_host.available_size() if self.controller is not None else 0
+
+    def evictable(self) -> int:
+        return self.cache.evictable_size()
