@@ -17,10 +17,11 @@ from empty:
 * naive  - a dict from every page-aligned prefix of every inserted sequence to its slots: match tries prefixes
   longest first, insert adds every prefix, evict drops least recently inserted whole sequences (a prefix
   goes when no remaining sequence holds it);
-* sglang - SGLang's own `RadixCache` (`sglang.srt.mem_cache.radix_cache`) if `sglang` imports; its API differs
-  between versions, so it is probed on a tiny example first and reported "skipped: <reason>" when nothing
-  fits. Where its `match_prefix` returns only a length (newer versions), the timed match also fetches the
-  slots (`path_device_indices`) so that every implementation does the same work: the prefix and its slots.
+* sglang - SGLang's own `RadixCache` (`sglang.srt.mem_cache.radix_cache`) if `sglang` imports (0.5.23, the
+  `sglang` extra, imports beside a CPU torch through `hicache_lab.lab.sglang_cpu`); its API differs between
+  versions, so it is probed on a tiny example first and reported "skipped: <reason>" when nothing fits.
+  Where its `match_prefix` returns only a length (newer versions), the timed match also fetches the slots
+  (`path_device_indices`) so that every implementation does the same work: the prefix and its slots.
 
 Every operation is timed alone with `time.perf_counter` (garbage collection off during a replay) and summed
 over the requests; a replay is repeated `--repeats` times and the median rate is reported, with ratios lab/naive
@@ -32,7 +33,8 @@ differ; sglang is skipped if it differs).
     python -m bench.radix_speed --page-size 16 --capacity-tokens 2048 --repeats 9
 
 Writes bench/results/radix_speed.csv (one row per operation and page size) and bench/results/radix_speed.json
-(the same rows, the run's settings, per-implementation details and the machine).
+(the same rows, the run's settings, per-implementation details and the machine, with the installed sglang's
+version).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from bench.common import RESULTS, machine_info, usable_cpus, write_csv
 from bench.radix_replay import OPERATIONS, KeyStream, bench_page_size
 from bench.radix_sglang import probe_sglang
 from hicache_lab.config import ModelConfig, WorkloadConfig
+from hicache_lab.lab.sglang_cpu import sglang_version
 from hicache_lab.managers.workload import MultiTurnWorkload
 
 # -- the keys -------------------------------------------------------------------------------------------
@@ -200,10 +203,11 @@ def git_commit() -> str:
 
 
 def machine_record() -> dict:
-    """The keys radix_speed.json has always recorded of the machine."""
+    """The keys radix_speed.json has always recorded of the machine, and the installed sglang (None: none)."""
     return machine_info(
         python_implementation=platform.python_implementation(),
         numpy=np.__version__,
+        sglang=sglang_version(),
         processor=platform.processor(),
         machine=platform.machine(),
         cpus_usable=usable_cpus() or os.cpu_count(),

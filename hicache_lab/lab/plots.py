@@ -13,6 +13,7 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ..managers.step_trace import read_trace  # noqa: E402
+from .conformance import Replay  # noqa: E402
 
 
 def _short(text: str, length: int) -> str:
@@ -250,4 +251,32 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def plot_against_sglang_cache(runs: dict[str, tuple[dict, Replay]], path: Path) -> None:
+    """One panel per configuration: hit rate by round as the lab's cache answered (solid line) and as
+    SGLang's cache answered the same recorded operations (`conformance.replay`: large hollow markers, dashed),
+    with the infinite-cache bound. `runs` maps a title to (the run's summary, its replay)."""
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), sharey=True, squeeze=False)
+    for ax, (title, (summary, result)) in zip(axes[0], runs.items(), strict=True):
+        rows = summary["rounds"]
+        rounds = [r["round"] for r in rows]
+        for name, hits, style in (
+            ("lab", result.lab, {"ls": "-", "lw": 2.5, "color": "#4c72b0"}),
+            ("SGLang", result.sglang, {"ls": "--", "lw": 1, "color": "#dd8452", "marker": "o", "ms": 11}),
+        ):
+            rates = [100 * (h.device + h.host) / r["prompt_tokens"] for h, r in zip(hits, rows, strict=False)]
+            ax.plot(rounds[: len(rates)], rates, label=name, mfc="none", mew=1.8, clip_on=False, **style)
+        ax.plot(rounds, [100 * r["upper_bound_hit_rate"] for r in rows], "k:", label="infinite cache")
+        status = "every answer equal" if result.equal else f"{len(result.differences)} answers differ"
+        status += "; the replay stopped" if result.stopped else ""
+        replayed = f"{result.replayed} of {result.operations} cache operations replayed"
+        ax.set_title(f"{title}: {status}\n({replayed})", fontsize=9)
+        ax.set_xlabel("round")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(-3, 100)  # a rate of 0 stays visible above the axis
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("prefix cache hit rate (%)")
+    axes[0][0].legend(fontsize=8, loc="upper left")
     save_figure(fig, path)

@@ -89,8 +89,9 @@ class AgreedCompletion:
 def _sglang():
     """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
     prepare_imports()
-    with warnings.catch_warnings():  # quantization modules met on the way warn that only CUDA supports them
+    with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA, tqdm in Jupyter
         warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        warnings.filterwarnings("ignore", message="IProgress not found")
         from sglang.srt import server_args
         from sglang.srt.managers import cache_controller
         from sglang.srt.mem_cache import (

@@ -1,10 +1,10 @@
 """One rank's HiRadixCache driven by hand, one request at a time (notebooks/01_hicache_tour.ipynb).
 
-`OneRank.serve(tokens)` does what the scheduler does for one request, without a model: match the prefix,
-lock it, load back what only the host holds, allocate slots for the rest (evicting if needed), write its KV,
-insert it and unlock; its write-through host copy starts as the batch ends. `step()` is the start of the next scheduler step:
-copies due by now finish (virtual latency) and the cache consumes the finished acks. A world of one: the
-agreement calls run on size-1 groups, exactly where they run on many ranks.
+`OneRank.serve(tokens)` does what the scheduler does for one request, without a model: match the prefix, lock it,
+load back what only the host holds, allocate slots for the rest (evicting if needed), write its KV, insert it and
+unlock; its write-through host copy starts as the batch ends. `step()` is the start of the next scheduler step:
+copies due by now finish (virtual latency) and the cache consumes the finished acks. A world of one: the agreement
+calls run on size-1 groups, exactly where they run on many ranks.
 """
 
 from __future__ import annotations

@@ -83,6 +83,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             node.host_value, ack = written
             ack.finish_event.synchronize()
             self.controller.verify(ack, "write-back")
+            self.tree.track_duplicate(node)  # for the moment until its device copy goes
 
     # -- acks ----------------------------------------------------------------------------------------
 
@@ -97,6 +98,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and, with a
         storage tier, are backed up to it."""
         for node in self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through, count):
+            self.tree.track_duplicate(node)
             if self.storage is not None:
                 self.storage.backup(node)
 
@@ -109,8 +111,15 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             self.tree.protect_host(op.node)
 
     def loading_check(self, count: int) -> None:
-        """Consume `count` load acks: loaded nodes lose the lock their load held."""
-        self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back, count)
+        """Consume `count` load acks: loaded nodes lose the lock their load held, and the nodes each load
+        filled are settled on both tiers, bottom up (SGLang's `finish_load_back`)."""
+        for last_hit in self._consume_acks(self.controller.ack_load_queue, "load", self.ongoing_load_back, count):
+            node = last_hit
+            while node is not self.tree.root:
+                if node.load_pending == last_hit.id:
+                    node.load_pending = None
+                    self.tree.track_duplicate(node)
+                node = node.parent
 
     def flush_pending_backups(self) -> None:
         self.controller.start_writing()
@@ -222,10 +231,38 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.tree.delete_leaf(node)
 
     def evict_host(self, num_tokens: int) -> int:
+        """Free host slots: under write_back, host copies of nodes also on the device first (SGLang 0.5.23's
+        `_reclaim_full_host_duplicates`), then host-only leaves, least recently used first."""
+
         def became_leaf(parent: TreeNode) -> bool:
             return parent.evicted and not parent.children and parent.host_ref == 0
 
-        return self._evict_lru(self.tree.host_leaves(), num_tokens, self._evict_host_leaf, became_leaf)
+        freed = self._reclaim_host_duplicates(num_tokens) if self.cfg.write_policy == "write_back" else 0
+        return freed + self._evict_lru(self.tree.host_leaves(), num_tokens - freed, self._evict_host_leaf, became_leaf)
+
+    def _reclaim_host_duplicates(self, num_tokens: int) -> int:
+        """Drop host copies of nodes also on the device, in the order they became duplicates: a first pass
+        spares device leaves (the next device eviction would keep their host copy), a second takes them. A node
+        a load is filling, or whose own host copy is protected, keeps it."""
+        freed, swept = 0, []
+        for spare_leaves in (True, False):
+            leaves = set(self.tree.device_leaves()) if spare_leaves else set()
+            for node in self.tree.host_duplicates.values():
+                if freed >= num_tokens:
+                    break
+                if node.evicted or not node.backuped:
+                    swept.append(node.id)  # lost a tier since it registered
+                    continue
+                own_protection = node.host_ref - sum(c.host_ref for c in node.children.values())
+                if node in leaves or node.load_pending is not None or own_protection > 0:
+                    continue
+                freed += len(node.host_value)
+                self.host_alloc.free(node.host_value)
+                node.host_value = None
+                swept.append(node.id)
+        for node_id in swept:
+            self.tree.host_duplicates.pop(node_id, None)
+        return freed
 
     def _evict_host_leaf(self, node: TreeNode) -> int:
         freed = len(node.host_value)
@@ -259,6 +296,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         offset = 0
         for n in nodes_to_load:
             n.value = device_indices[offset : offset + len(n.host_value)]
+            n.load_pending = last_hit.id
             offset += len(n.host_value)
         self.ongoing_load_back[last_hit.id] = last_hit
         self.inc_lock_ref(last_hit)

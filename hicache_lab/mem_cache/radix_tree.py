@@ -48,6 +48,7 @@ class TreeNode:
     host_ref: int = 0  # host protection: > 0 => not host-evictable
     hit_count: int = 0
     last_access: int = 0
+    load_pending: int | None = None  # id of the load back still filling this node's device copy
 
     @property
     def evicted(self) -> bool:
@@ -89,6 +90,10 @@ class RadixTree:
         self.root = self._new_node(None, (), empty)
         self.root.host_value = empty
         self.root.lock_ref = 1
+        # Nodes on both tiers, in the order they became so (SGLang's `full_host_duplicates`): what write_back
+        # reclaims first under host pressure. An entry whose node lost a tier stays until it is swept (as
+        # SGLang's: a node that regains the tier keeps its place).
+        self.host_duplicates: dict[int, TreeNode] = {}
 
     # -- structure ---------------------------------------------------------------------------------
 
@@ -124,6 +129,7 @@ class RadixTree:
             host_ref=child.host_ref,
             hit_count=child.hit_count,
             last_access=child.last_access,
+            load_pending=child.load_pending,
         )
         self._next_id += 1
         upper.children[child.key[n : n + ps]] = child
@@ -135,7 +141,15 @@ class RadixTree:
             child.value = child.value[n:]
         if child.host_value is not None:
             child.host_value = child.host_value[n:]
+        self.track_duplicate(upper)
         return upper
+
+    def track_duplicate(self, node: TreeNode) -> None:
+        """Register `node` if it is now settled on both tiers (no load filling it), else drop its entry."""
+        if node is not self.root and not node.evicted and node.backuped and node.load_pending is None:
+            self.host_duplicates.setdefault(node.id, node)
+        else:
+            self.host_duplicates.pop(node.id, None)
 
     def _walk(self, key: Key, start: TreeNode | None = None) -> Iterator[tuple[TreeNode, int]]:
         """Yield (node, tokens of `key` it matched) down `key`'s path from `start` (the root), splitting the
@@ -177,6 +191,7 @@ class RadixTree:
         for node, n in self._walk(key):
             if node.evicted:
                 node.value = value[done : done + n].clone()
+                self.track_duplicate(node)
             else:
                 prefix_len += n
             touched.append(node)
@@ -203,6 +218,7 @@ class RadixTree:
     def delete_leaf(self, node: TreeNode) -> None:
         assert not node.children and node is not self.root
         del node.parent.children[node.key[: self.page_size]]
+        self.host_duplicates.pop(node.id, None)
 
     # -- locks -------------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Drives one rank's cache through the operations of the scheduler's contract, as `Scheduler` does, recording
 them (mem_cache/recording.py), so that lab/conformance.py can replay them through SGLang's cache. The operations
-come from a test: `("request", base, pages, keep)`, `("finish", i)`, `("step",)`, `("evict", n)`,
-`("evict_host", n)`."""
+come from a test: `("request", conversation, pages, keep)`, `("finish", i)`, `("step",)`, `("evict", n)`,
+`("evict_host", n)`. A request continues one of a few conversations by `pages` new pages (a conversation longer
+than half the device pool starts over), so the tree branches, leaves compete for eviction, and a conversation
+taken up again finds its prefix on the device, on the host only, or gone."""
 
 from __future__ import annotations
 
@@ -14,11 +16,14 @@ from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.recording import RecordingCache
 
-DEVICE_TOKENS = 64
+DEVICE_TOKENS = 128
+NEW_TOKENS = 5  # a request's new tokens per `pages`, rounded up to whole pages (so host hits of 10 tokens occur)
 
 
-def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: float, seed: int = 0):
+def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: float, seed: int = 0, **overrides):
+    """One rank's cache as `build_cache` makes it for a run; CacheConfig fields by name on top."""
     cfg = CacheConfig(
+        **overrides,
         max_total_tokens=DEVICE_TOKENS,
         page_size=page_size,
         enable_hierarchical_cache=True,
@@ -30,25 +35,43 @@ def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: f
     return build_cache(cfg, KVShape(num_layers=2, num_heads=1, head_dim=2), sync, seed=seed)[1]
 
 
+def random_ops(rng, count: int) -> list[tuple]:
+    """`count` operations drawn as the tests' strategy draws them."""
+    kinds = ["request", "request", "finish", "step", "step", "evict", "evict_host"]
+    ops = []
+    for kind in rng.choices(kinds, k=count):
+        if kind == "request":
+            ops.append((kind, rng.randint(0, 5), rng.randint(1, 8), rng.random() < 0.5))
+        elif kind == "finish":
+            ops.append((kind, rng.randint(0, 7)))
+        elif kind == "step":
+            ops.append((kind,))
+        else:
+            ops.append((kind, rng.randint(1, 32)))
+    return ops
+
+
 class Driver:
     def __init__(self, cache, path: Path):
         self.cache = RecordingCache(cache, path, rank=0)
         self.ps = cache.cfg.page_size
-        self.history: list[tuple[int, ...]] = [()]
+        self.conversations: dict[int, tuple[int, ...]] = {}
         self.open: list[tuple] = []
         self.steps = 0
         self.fresh = 1000  # tokens never seen before
 
-    def key(self, base: int, pages: int) -> tuple[int, ...]:
-        """An extension of a recent key by `pages` pages (shared prefixes), at most half the device pool."""
-        start = self.history[-1 - base % len(self.history)]
-        ext = tuple(range(self.fresh, self.fresh + pages * self.ps))
+    def key(self, conversation: int, pages: int) -> tuple[int, ...]:
+        """The conversation so far and about `pages` x 5 new tokens."""
+        start = self.conversations.get(conversation, ())
+        if len(start) + pages * self.ps > DEVICE_TOKENS // 2:
+            start = ()
+        ext = tuple(range(self.fresh, self.fresh + -(-pages * NEW_TOKENS // self.ps) * self.ps))
         self.fresh += len(ext)
-        return (start + ext)[: DEVICE_TOKENS // 2 // self.ps * self.ps]
+        return start + ext
 
-    def request(self, base: int, pages: int, keep: bool) -> None:
+    def request(self, conversation: int, pages: int, keep: bool) -> None:
         """Admit as the scheduler does: match all but the last page, lock, check room, load back, allocate."""
-        c, key = self.cache, self.key(base, pages)
+        c, key = self.cache, self.key(conversation, pages)
         match = c.match_prefix(key[: len(key) - self.ps])
         c.inc_lock_ref(match.last_device_node)
         if c.device_room() < len(key) - len(match.device_indices):
@@ -57,7 +80,7 @@ class Driver:
         prefix, last = c.lock_match(match)
         c.start_loading()
         own = c.alloc_device(len(key) - len(prefix))
-        self.history.append(key)
+        self.conversations[conversation] = key
         self.open.append((key, torch.cat([prefix, own]), len(prefix), last))
         if not keep:
             self.finish(len(self.open) - 1)

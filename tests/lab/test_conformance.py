@@ -2,24 +2,25 @@
 (lab/conformance.py, lab/sglang_ref.py): random operation sequences, and recorded runs replayed, compared after
 every operation. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
 
-Each test can fail: `test_a_deliberate_change_to_the_lab_is_caught` makes three one-line changes to the lab (an
-LRU tie order, the load-back threshold, FIFO ack order) and shows a difference found for each."""
+Each test can fail: `test_a_deliberate_change_to_the_lab_is_caught` makes three one-line changes to the lab (the
+LRU order, the load-back threshold, FIFO ack order) and finds a difference for each in the seeded sequences that
+`test_seeded_sequences_answer_as_sglang_does` finds none in. (A change of the LRU *tie* order cannot be seen: the
+logical clock gives every touch its own tick, in the lab as in SGLang, so two leaves never tie.)"""
 
 from __future__ import annotations
 
-import json
+import random
 
 import pytest
-from conformance_driver import Driver, lab_cache
+from conformance_driver import Driver, lab_cache, random_ops
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES
-from hicache_lab.lab.conformance import cmd_conform, format_replay, replay
-from hicache_lab.lab.presets import WORKLOAD, config
+from hicache_lab.lab.conformance import replay
 from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, sglang_version
-from hicache_lab.entrypoints.launch import run
-from hicache_lab.mem_cache.recording import ops_path
+from hicache_lab.mem_cache.cache_controller import HiCacheController
+from hicache_lab.mem_cache.radix_tree import TreeNode
 
 pytestmark = pytest.mark.skipif(
     sglang_version() != SGLANG_VERSION,
@@ -28,16 +29,16 @@ pytestmark = pytest.mark.skipif(
 
 OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("request"), st.integers(0, 7), st.integers(1, 4), st.booleans()),
-        st.tuples(st.just("request"), st.integers(0, 7), st.integers(1, 4), st.booleans()),
+        st.tuples(st.just("request"), st.integers(0, 5), st.integers(1, 8), st.booleans()),
+        st.tuples(st.just("request"), st.integers(0, 5), st.integers(1, 8), st.booleans()),
         st.tuples(st.just("finish"), st.integers(0, 7)),
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
         st.tuples(st.just("evict"), st.integers(1, 32)),
         st.tuples(st.just("evict_host"), st.integers(1, 32)),
     ),
-    min_size=1,
-    max_size=60,
+    min_size=30,
+    max_size=120,
 )
 
 
@@ -52,7 +53,7 @@ def explain(result) -> str:
     return "\n".join(map(str, result.differences[:5])) + (f"\nstopped: {result.stopped}" if result.stopped else "")
 
 
-@settings(max_examples=int(__import__("os").environ.get("N_EX", "60")), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     ops=OPS,
     page_size=st.sampled_from([1, 4]),
@@ -60,8 +61,69 @@ def explain(result) -> str:
     max_delay=st.integers(0, 3),
     host_ratio=st.sampled_from([1.5, 3.0]),
 )
-def test_random_operations_answer_as_sglang_does(groups, tmp_path_factory, ops, page_size, policy, max_delay, host_ratio):
+def test_random_operations_answer_as_sglang_does(
+    groups, tmp_path_factory, ops, page_size, policy, max_delay, host_ratio
+):
     path = tmp_path_factory.mktemp("ops") / "ops.jsonl"
     play(groups, path, ops, page_size, policy, max_delay, host_ratio)
     result = replay(path)
     assert result.equal, explain(result)
+
+
+# -- the suite can fail: the same seeded sequences, before and after a deliberate one-line change ------------
+
+SEEDS = range(12)
+CONFIGS = [  # (page size, policy, max delay, host ratio), cycled over the seeds
+    (1, "write_through", 2, 1.5),
+    (4, "write_through_selective", 1, 3.0),
+    (1, "write_back", 3, 3.0),
+    (4, "write_through", 0, 1.5),
+]
+
+
+def seeded_differences(groups, tmp_path, **overrides) -> list[str]:
+    """Play 12 seeded sequences of 150 operations; the first difference of each that differs."""
+    found = []
+    for seed in SEEDS:
+        page_size, policy, max_delay, host_ratio = CONFIGS[seed % len(CONFIGS)]
+        path = tmp_path / f"ops{seed}.jsonl"
+        driver = Driver(lab_cache(groups, page_size, policy, max_delay, host_ratio, **overrides), path)
+        for op in random_ops(random.Random(seed), 150):
+            driver.apply(op)
+        driver.close()
+        result = replay(path)
+        if not result.equal:
+            found.append(f"seed {seed}: {result.differences[0] if result.differences else result.stopped}")
+    return found
+
+
+def test_seeded_sequences_answer_as_sglang_does(groups, tmp_path):
+    assert seeded_differences(groups, tmp_path) == []
+
+
+def _evict_oldest_first(self, other) -> bool:  # TreeNode.__lt__ with its key's two fields swapped
+    return (self.id, self.last_access) < (other.id, other.last_access)
+
+
+def _pop_acks_newest_first(self, queue, what, count):  # HiCacheController.pop_acks with queue.pop() for pop(0)
+    acks = []
+    for _ in range(count):
+        acks.append(queue.pop())
+        acks[-1].finish_event.synchronize()
+        self.verify(acks[-1], what)
+    return acks
+
+
+@pytest.mark.parametrize("change", ["lru_order", "load_back_threshold", "ack_order"])
+def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monkeypatch):
+    """Each change is one line of the lab: evict by node age instead of last use (radix_tree.TreeNode.__lt__), load
+    back from 16 tokens instead of SGLang's 10 (config.CacheConfig.load_back_threshold), consume acks newest first
+    (cache_controller.HiCacheController.pop_acks)."""
+    overrides = {}
+    if change == "lru_order":
+        monkeypatch.setattr(TreeNode, "__lt__", _evict_oldest_first)
+    elif change == "load_back_threshold":
+        overrides["load_back_threshold"] = 16
+    else:
+        monkeypatch.setattr(HiCacheController, "pop_acks", _pop_acks_newest_first)
+    assert seeded_differences(groups, tmp_path, **overrides), f"the {change} change went unnoticed"

@@ -1,0 +1,57 @@
+"""Recorded runs (`run --record-cache-ops`) replayed through SGLang 0.5.23's cache (`conform`): every answer, and
+the pools after every operation, equal; so are the per-round device and host hits. Page 1 and 16; the three
+write policies; a host pool that holds the history and one that must evict; acks 0 to 3 steps late; L1 only;
+both stages of a PP=2 world. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.conformance import replay
+from hicache_lab.lab.presets import WORKLOAD, config
+from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.mem_cache.recording import ops_path
+
+pytestmark = pytest.mark.skipif(
+    sglang_version() != SGLANG_VERSION,
+    reason=f"sglang {SGLANG_VERSION} is not installed (make installs it; see requirements-sglang-cpu.txt)",
+)
+
+L2 = "--enable-hierarchical-cache"
+RUNS = {  # name: run flags on top of the small workload (write_through, host 3x device, acks 0..3 steps late)
+    "default": L2,
+    "page_16": f"{L2} --page-size 16",
+    "write_through_selective": f"{L2} --hicache-write-policy write_through_selective",
+    "write_back": f"{L2} --hicache-write-policy write_back",
+    "host_evicts": f"{L2} --hicache-ratio 1.5",
+    "host_evicts_page_16": f"{L2} --hicache-ratio 1.5 --page-size 16",
+    "host_evicts_write_back": f"{L2} --hicache-ratio 1.5 --hicache-write-policy write_back",
+    "acks_on_time": f"{L2} --max-copy-delay-steps 0",
+    "acks_1_late": f"{L2} --max-copy-delay-steps 1",
+    "acks_2_late": f"{L2} --max-copy-delay-steps 2",
+    "l1_only": "",
+    "pp_2": f"{L2} --pp 2",
+}
+
+
+def record(flags: str, out) -> dict:
+    cfg = dataclasses.replace(config(WORKLOAD, flags), record_cache_ops=True)
+    return run(cfg, out, verbose=False)
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_recorded_run_replays_equal_through_sglang(name, tmp_path):
+    summary = record(RUNS[name], tmp_path)
+    assert summary["completed"]
+    for rank in range(len(summary["per_rank_hit_rates"])):
+        result = replay(ops_path(tmp_path, rank))
+        assert result.replayed == result.operations > 100
+        assert result.equal, "\n".join(map(str, result.differences[:5]))
+        lab = [(r.device, r.host) for r in result.lab]
+        assert lab == [(r.device, r.host) for r in result.sglang]
+        if rank == 0:  # the recorded answers are what the run reported, round by round
+            assert lab == [(r["cached_device"], r["cached_host"]) for r in summary["rounds"]]
