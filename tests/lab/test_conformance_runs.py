@@ -10,6 +10,7 @@ import dataclasses
 
 import pytest
 
+from hicache_lab.__main__ import main
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.lab.conformance import replay
 from hicache_lab.lab.presets import WORKLOAD, config
@@ -55,3 +56,19 @@ def test_a_recorded_run_replays_equal_through_sglang(name, tmp_path):
         assert lab == [(r.device, r.host) for r in result.sglang]
         if rank == 0:  # the recorded answers are what the run reported, round by round
             assert lab == [(r["cached_device"], r["cached_host"]) for r in summary["rounds"]]
+
+
+def test_conform_prints_the_table_and_exits_by_what_it_found(tmp_path, capsys):
+    """0 when every answer is equal; 1 when one differs (a load-back threshold SGLang does not have: its is 10);
+    2, naming the flag, for a run that recorded nothing."""
+    record(L2, tmp_path / "same")
+    assert main(["conform", str(tmp_path / "same")]) == 0
+    out = capsys.readouterr().out
+    assert "every answer and every pool state after every operation equal" in out
+    assert "    3        4          0      348             0         348    83.7%       83.7%" in out
+    record(f"{L2} --load-back-threshold 40", tmp_path / "other")
+    assert main(["conform", str(tmp_path / "other")]) == 1
+    assert "answers differ" in capsys.readouterr().out
+    run(config(WORKLOAD, L2), tmp_path / "unrecorded", verbose=False)
+    assert main(["conform", str(tmp_path / "unrecorded")]) == 2
+    assert "run with --record-cache-ops" in capsys.readouterr().err
