@@ -16,14 +16,13 @@ import dataclasses
 import importlib
 import importlib.util
 import itertools
-import warnings
 from array import array
 from collections.abc import Callable
 
 import torch
 
 from bench.common import check
-from hicache_lab.lab.sglang_cpu import prepare_imports
+from hicache_lab.lab.sglang_cpu import prepare_imports, quiet_imports
 from hicache_lab.mem_cache.radix_tree import Key
 
 
@@ -208,8 +207,7 @@ def probe_sglang(page_size: int) -> tuple[SGLangApi | None, str]:
     except RuntimeError as e:  # not the version the lab reads: import it as it is
         refused = f"; {e}"
     try:
-        with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA
-            warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        with quiet_imports():
             module = importlib.import_module("sglang.srt.mem_cache.radix_cache")
         variants = list(_sglang_variants(module, page_size))
     except Exception as e:  # any import or layout failure is a reason to skip

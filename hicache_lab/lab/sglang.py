@@ -16,13 +16,12 @@ from __future__ import annotations
 import html
 import importlib
 import inspect
-import warnings
 from pathlib import Path
 
 from ..errors import ConfigError
 from ..mooncake_trace import read_jsonl
 from .plots import plot_against_sglang
-from .sglang_cpu import SGLANG_VERSION, prepare_imports
+from .sglang_cpu import SGLANG_VERSION, prepare_imports, quiet_imports
 
 SGLANG_MODULES = (
     "sglang.srt.mem_cache.hiradix_cache",
@@ -38,9 +37,7 @@ def sglang_methods(names: tuple[str, ...]) -> dict[str, str] | None:
     except RuntimeError:
         return None
     found = {}
-    with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA, tqdm in Jupyter
-        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
-        warnings.filterwarnings("ignore", message="IProgress not found")
+    with quiet_imports():
         for module_name in SGLANG_MODULES:
             try:
                 module = importlib.import_module(module_name)

@@ -1,11 +1,16 @@
 """What it takes to import sglang 0.5.23's cache modules beside a CPU build of torch: the one place the lab
-stands in for something of SGLang's environment. Nothing of SGLang's is copied or changed here.
+stands in for something of SGLang's environment. Nothing of SGLang's is copied; what is replaced is named here.
 
 * `torchvision`. The cache modules reach it through `sglang.srt.configs` (multimodal processors), and
   `transformers` imports `torchvision.io` once it finds the package. The registry's torchvision wheels are built
   against CUDA torch and do not load beside the CPU one, and nothing on the cache path uses them. So where no
   real torchvision imports, `torchvision` and its submodules are served by placeholders: any attribute is an
   inert stand-in.
+* Three functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang_ref.py):
+  host memory is pinned with cudaHostRegister (here it stays pageable), `transfer_kv_direct` is an sgl_kernel
+  op imported only on CUDA/ROCm (here a copy per layer), and `torch.cpu.Stream` has no `synchronize` (reached
+  only on an error path, where its absence would hide the real exception). Each replacement fails loudly if
+  the name it replaces has moved: an upgrade of sglang breaks here, visibly.
 
 The Makefile installs sglang itself with `--no-deps` (its own requirements pin a CUDA torch) and its pure-Python
 dependencies from requirements-sglang-cpu.txt.
@@ -13,12 +18,14 @@ dependencies from requirements-sglang-cpu.txt.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import importlib.metadata
 import importlib.util
 import sys
 import types
+import warnings
 
 import torch
 
@@ -84,6 +91,16 @@ def prepare_imports() -> None:
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
         sys.meta_path.append(_TorchvisionPlaceholders())
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Import sglang's modules without the warnings of modules met on the way, harmless here: quantization
+    kernels that only CUDA supports, and tqdm finding no Jupyter widgets."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
+        warnings.filterwarnings("ignore", message="IProgress not found")
+        yield
 
 
 # -- the three functions of SGLang's host tier that need CUDA, replaced for CPU --------------------------

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import types
-import warnings
 from array import array
 from typing import NamedTuple
 
@@ -30,7 +29,7 @@ import torch
 from ..config import CacheConfig
 from ..errors import PoolExhaustedError
 from ..mem_cache.copy_engine import STREAMS, CopyJob
-from .sglang_cpu import install_cpu_replacements, prepare_imports
+from .sglang_cpu import install_cpu_replacements, prepare_imports, quiet_imports
 
 _NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
 
@@ -89,11 +88,8 @@ class AgreedCompletion:
 def _sglang():
     """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
     prepare_imports()
-    with warnings.catch_warnings():  # of modules met on the way: quantization without CUDA, tqdm in Jupyter
-        warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
-        warnings.filterwarnings("ignore", message="IProgress not found")
+    with quiet_imports():
         from sglang.srt import server_args
-        from sglang.srt.managers import cache_controller
         from sglang.srt.mem_cache import (
             base_prefix_cache,
             cache_init_params,
@@ -119,7 +115,6 @@ def _sglang():
         FULL=component_type.ComponentType.FULL,
         ServerArgs=server_args.ServerArgs,
         publish=server_args.set_global_server_args_for_scheduler,
-        controller=cache_controller,
     )
 
 

@@ -9,6 +9,7 @@ logical clock gives every touch its own tick, in the lab as in SGLang, so two le
 
 from __future__ import annotations
 
+import importlib
 import random
 
 import pytest
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.lab.conformance import replay
-from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
 from hicache_lab.mem_cache.cache_controller import HiCacheController
 from hicache_lab.mem_cache.radix_tree import TreeNode
 
@@ -127,3 +128,11 @@ def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monk
     else:
         monkeypatch.setattr(HiCacheController, "pop_acks", _pop_acks_newest_first)
     assert seeded_differences(groups, tmp_path, **overrides), f"the {change} change went unnoticed"
+
+
+def test_a_replaced_sglang_function_that_moved_fails_loudly(monkeypatch):
+    prepare_imports()
+    common = importlib.import_module("sglang.srt.mem_cache.pool_host.common")
+    monkeypatch.delattr(common, "ALLOC_MEMORY_FUNCS")
+    with pytest.raises(RuntimeError, match="moved.*ALLOC_MEMORY_FUNCS"):
+        install_cpu_replacements()
