@@ -171,6 +171,7 @@ class _Replayer:
             rounds.lab.append(RoundHits())
             rounds.sglang.append(RoundHits())
         elif op == "flush":
+            self.clock.finish_all()
             s.flush()
         else:
             raise ConfigError(f"operation {index}: unknown cache operation {op!r}")

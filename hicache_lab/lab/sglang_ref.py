@@ -19,6 +19,7 @@ Nothing here decides anything: each method calls SGLang's own entry point, the o
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from array import array
@@ -74,6 +75,11 @@ class AgreedCompletion:
             self.consumed[stream] += count
             self.allowed[stream] = max(self.allowed[stream], self.consumed[stream])
 
+    def finish_all(self) -> None:
+        """The recorded rank flushed its cache: every copy issued so far finished and was consumed."""
+        self.consumed = dict(self.submitted)
+        self.allowed = dict(self.submitted)
+
     def submit(self, stream: str, job) -> Event:
         self.submitted[stream] += 1
         return self.Event(self, stream, self.submitted[stream] - 1)
@@ -85,6 +91,7 @@ class AgreedCompletion:
         return None
 
 
+@functools.cache
 def _sglang():
     """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
     prepare_imports()
@@ -237,7 +244,7 @@ class SGLangCache:
         and move the lock to the node the prefix ends at."""
         if match.host_hit_length == 0:
             return match.device_indices, match.last_device_node
-        loaded, last = self.init_load_back(match)
+        _, last = self.init_load_back(match)
         self.inc_lock_ref(last)
         self.dec_lock_ref(match.last_device_node)
         return self.cache.path_device_indices(last), last
@@ -260,9 +267,10 @@ class SGLangCache:
         """SGLang's step-start check; returns how many write and load acks it consumed."""
         if self.controller is None:
             return 0, 0
-        before = len(self.controller.ack_write_queue), len(self.controller.ack_load_queue)
+        c = self.controller
+        before = len(c.ack_write_queue) + bool(c.write_queue), len(c.ack_load_queue)  # queued writes start first
         self.cache.check_hicache_events()
-        return before[0] - len(self.controller.ack_write_queue), before[1] - len(self.controller.ack_load_queue)
+        return before[0] - len(c.ack_write_queue), before[1] - len(c.ack_load_queue)
 
     def start_loading(self) -> bool:
         """SGLang's `ready_to_load_host_cache`: whether a load started."""
@@ -272,7 +280,9 @@ class SGLangCache:
         return self.controller is not None and self.controller.has_inflight_device_transfers()
 
     def flush(self) -> None:
+        """As SGLang's `Scheduler.flush_cache`: the tree (with the host tier) and the device allocator."""
         self.cache.reset()
+        self.allocator.clear()
 
     # -- what both caches can be compared on ------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Recorded runs (`run --record-cache-ops`) replayed through SGLang 0.5.23's cache (`conform`): every answer, and
 the pools after every operation, equal; so are the per-round device and host hits. Page 1 and 16; the three
-write policies; a host pool that holds the history and one that must evict; acks 0 to 3 steps late; L1 only;
-both stages of a PP=2 world. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
+write policies; a host pool that holds the history and one that must evict; acks 0 to 3 steps late; a cache
+flushed between rounds; L1 only; both stages of a PP=2 world. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ RUNS = {  # name: run flags on top of the small workload (write_through, host 3x
     "acks_on_time": f"{L2} --max-copy-delay-steps 0",
     "acks_1_late": f"{L2} --max-copy-delay-steps 1",
     "acks_2_late": f"{L2} --max-copy-delay-steps 2",
+    "flushed_between_rounds": f"{L2} --flush-cache-between-rounds",
     "l1_only": "",
     "pp_2": f"{L2} --pp 2",
 }
