@@ -1,7 +1,8 @@
-"""Recorded runs (`run --record-cache-ops`) replayed through SGLang 0.5.23's cache (`conform`): every answer, and
-the pools after every operation, equal; so are the per-round device and host hits. Page 1 and 16; the three
-write policies; a host pool that holds the history and one that must evict; acks 0 to 3 steps late; a cache
-flushed between rounds; L1 only; both stages of a PP=2 world. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
+"""Recorded runs (`run --record-cache-ops`) replayed through SGLang 0.5.23's cache (`conform`): every answer, and the
+pools after every operation, equal; so are the per-round device and host hits. Page 1 and 16; the three write
+policies; a host pool that holds the history and one that must evict; acks 0 to 3 steps late; a cache flushed
+between rounds; L1 only; both stages of a PP=2 world. Needs sglang 0.5.23 (make installs it); skipped with the
+reason where it is missing.
 """
 
 from __future__ import annotations
