@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     add_exhaustive_flags(exhaustive_parser)
     exhaustive_parser.set_defaults(func=cmd_exhaustive)
     conform_parser = commands.add_parser(
-        "conform", help="replay a run's recorded cache operations through SGLang 0.5.23's cache and compare"
+        "conform",
+        help="replay a run's recorded cache operations through SGLang 0.5.23's cache and compare",
+        description=cmd_conform.__doc__,
     )
     add_conform_flags(conform_parser)
     conform_parser.set_defaults(func=cmd_conform)

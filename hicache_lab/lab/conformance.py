@@ -224,13 +224,18 @@ def format_replay(result: Replay, prompt_tokens: list[int]) -> str:
 
 
 def add_conform_flags(parser) -> None:
-    parser.add_argument("run_dir", nargs="?", default="runs/latest", help="a run made with --record-cache-ops")
+    parser.add_argument(
+        "run_dir", nargs="?", default="runs/latest", help="a run made with --record-cache-ops (default: runs/latest)"
+    )
     parser.add_argument("--rank", type=int, default=0, help="whose operations to replay (default 0)")
     parser.add_argument("--show", type=int, default=10, help="differences to print (default 10)")
 
 
 def cmd_conform(args) -> int:
-    """Replay a recorded rank through SGLang's cache; print the per-round table; exit 1 on any difference."""
+    """Replay one rank of a run made with `run --record-cache-ops --out RUN_DIR` through sglang 0.5.23's own
+    cache (every answer and the pools after every operation compared), and print per round the device and host
+    hit tokens of both. Exit 0 when all are equal, 1 on any difference (listed), 2 for a run that recorded
+    nothing, one with an L3 tier, or no sglang 0.5.23."""
     run_dir = Path(args.run_dir)
     try:
         result = replay(ops_path(run_dir, args.rank))
