@@ -166,7 +166,7 @@ class _Replayer:
             if s.copies_in_flight() != lab:
                 self.differ(index, op, "copies in flight", lab, not lab)
         elif op == "flush_pending_backups":
-            s.cache.flush_pending_backups()
+            s.flush_pending_backups()
         elif op == "new_round":
             rounds.lab.append(RoundHits())
             rounds.sglang.append(RoundHits())
@@ -180,7 +180,7 @@ class _Replayer:
             self.differ(index, op, "after it: free device, free host, evictable", record["state"], got_state)
 
 
-def replay(path: Path, stop_after: int | None = None) -> Replay:
+def replay(path: Path) -> Replay:
     """Replay one rank's recorded operations through SGLang's cache (needs sglang 0.5.23)."""
     config, ops = read_ops(path)
     if config["cache"].get("storage_backend", "none") != "none":
@@ -200,8 +200,6 @@ def replay(path: Path, stop_after: int | None = None) -> Replay:
             result.stopped = f"operation {index} ({record['op']}): {type(exc).__name__}: {exc}"
             break
         result.replayed = index + 1
-        if stop_after is not None and len(result.differences) >= stop_after:
-            break
     if not (result.lab[0].admitted or result.sglang[0].admitted):  # what came before the first round
         del result.lab[0], result.sglang[0]
     return result

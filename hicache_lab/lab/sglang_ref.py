@@ -263,6 +263,10 @@ class SGLangCache:
         self.dec_lock_ref(last_node)
         return new_prefix_len
 
+    def flush_pending_backups(self) -> None:
+        """A batch's results are processed: its queued host writes start as one copy."""
+        self.cache.flush_pending_backups()
+
     def check_hicache_events(self) -> tuple[int, int]:
         """SGLang's step-start check; returns how many write and load acks it consumed."""
         if self.controller is None:

@@ -1,10 +1,13 @@
 """HiRadixCache: the radix cache plus the host tier (SGLang's `HiRadixCache`, `--enable-hierarchical-cache`).
 
-Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit,
-`write_back` only when evicted; only under a backed-up parent, so host copies stay contiguous from the root. An
-in-flight copy locks its node until its ack is consumed, by a count every rank agreed on. A backed-up leaf
-evicted from the device stays host-only and can be loaded back (all or nothing, from `load_back_threshold`
-tokens); host eviction removes host-only leaves. The storage tier moves pages; only this class changes the tree.
+Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit (both
+only under a backed-up parent, so their host copies stay contiguous from the root; a batch's writes start
+together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
+consumed, by a count every rank agreed on. A backed-up leaf evicted from the device stays host-only and can be
+loaded back (all or nothing, from `load_back_threshold` tokens). Host eviction removes host-only leaves; under
+write_back it first drops the host copies of nodes also on the device. Eviction for a copy frees only what the
+pool lacks. The storage tier moves pages; only this class changes the tree. Each of these is checked against
+SGLang 0.5.23's own cache (lab/conformance.py).
 """
 
 from __future__ import annotations
