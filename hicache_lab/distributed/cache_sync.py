@@ -16,8 +16,10 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
 * `cp_groups`         - agree over the attention-CP group too, not only attention-TP (CP fix).
 * `agree_loads`       - load acks are agreed like write acks.
 * `host_capacity_min` - ranks sized in bytes agree on the smallest host pool (`agree_host_capacity`).
-* `bounded_drain`     - relay sends are waited for once a round, instead of reaped by polling (which grew
-                        without bound behind a lagging stage).
+* `bounded_drain`     - the previous step's relay sends are waited for at the start of every
+                        `check_hicache_events` (SGLang #28916), instead of reaped by polling, which grew without
+                        bound (#28902); at most one step's sends are outstanding, and a stage cannot run more
+                        than a step ahead of the next one's agreement.
 * `prefetch_groups`   - storage hit counts and prefetch progress are agreed over gloo groups built from the
                         attention-CP, attention-TP and PP groups, not the attention-TP group alone (CP fix).
 * `storage_keys`      - storage keys leave the CP rank out, so CP peers find each other's pages (CP fix;
@@ -65,7 +67,7 @@ class CacheSync:
         self.mode, self.groups, self.fixes = mode, groups, fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.relay_stages = self.pp_size if "multi_hop_relay" in fixes else min(self.pp_size, 2)
-        self.work_list: list[dist.Work] = []  # outstanding relay sends, drained once a round
+        self.work_list: list[dist.Work] = []  # outstanding relay sends, drained at every step's check
         self.prefetch_sync_groups: list = []  # used by the prefetch worker only
         self.prefetch_progress_groups: list = []  # used by the scheduler only
         if storage:
@@ -108,8 +110,8 @@ class CacheSync:
         self._pp_sync(data)
 
     def drain_async_work(self) -> None:
-        """Start of a round: wait for the previous round's relay sends (bounded memory), or without that fix
-        reap the completed ones by polling, as the seed did."""
+        """Start of a step's check: wait for the previous step's relay sends (bounded memory), or without that
+        fix reap the completed ones by polling, as the seed did."""
         if "bounded_drain" not in self.fixes:
             self._reap_completed_async_work()
             return

@@ -126,7 +126,6 @@ class StageLoop:
                 break
             if new_round:
                 self.drain_sends(before=iteration - self.pp_size + 1)
-                self.sync.drain_async_work()
                 self.scheduler.new_round(flush=iteration > 0)
             self.reqs += reqs
             self.scheduler.add(reqs)

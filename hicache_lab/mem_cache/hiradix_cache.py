@@ -128,9 +128,10 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.controller.start_writing()
 
     def check_hicache_events(self) -> tuple[int, int]:
-        """Every step: start the writes still queued; agree in one collective how many leading write, load (and
-        backup) acks every rank consumes (only PP rank 0's polls count with the PP fix), then consume exactly
-        that many."""
+        """Every step: wait for the previous step's relay sends (SGLang's `_drain_async_work`, #28916), start
+        the writes still queued, agree in one collective how many leading write, load (and backup) acks every
+        rank consumes (only PP rank 0's polls count with the PP fix), then consume exactly that many."""
+        self.sync.drain_async_work()
         self.flush_pending_backups()
         self.ready = (
             self.controller.finished_acks(self.controller.ack_write_queue),

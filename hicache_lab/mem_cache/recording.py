@@ -29,10 +29,6 @@ def _state(cache: BasePrefixCache) -> list[int]:
     return [cache.device_alloc.available_size(), cache.host_free(), cache.tree.evictable_size()]
 
 
-def _slots(tensor: torch.Tensor) -> list[int]:
-    return tensor.tolist()
-
-
 class RecordingCache:
     """The lab's cache, as the scheduler sees it, with every call of its contract written down. Anything else
     (hooks, observation, the step loop) reaches the cache itself through attribute lookup."""
@@ -71,7 +67,7 @@ class RecordingCache:
     def match_prefix(self, key: tuple[int, ...]):
         match = self._last_match = self._cache.match_prefix(key)
         answer = {
-            "device": _slots(match.device_indices),
+            "device": match.device_indices.tolist(),
             "host": match.host_hit_length,
             "device_node": match.last_device_node.id,
         }
@@ -95,7 +91,7 @@ class RecordingCache:
         if match is not self._last_match:
             raise RuntimeError("the recorder replays lock_match on the last match only: the scheduler's order")
         prefix, last = self._cache.lock_match(match)
-        self._record("lock_match", {}, {"prefix": _slots(prefix), "node": last.id})
+        self._record("lock_match", {}, {"prefix": prefix.tolist(), "node": last.id})
         return prefix, last
 
     def evict(self, num_tokens: int) -> int:
@@ -110,11 +106,11 @@ class RecordingCache:
 
     def alloc_device(self, num_tokens: int) -> torch.Tensor:
         slots = self._cache.alloc_device(num_tokens)
-        self._record("alloc_device", {"tokens": num_tokens}, _slots(slots))
+        self._record("alloc_device", {"tokens": num_tokens}, slots.tolist())
         return slots
 
     def cache_finished_req(self, tokens, slots, prefix_len: int, last_node) -> int:
-        args = {"tokens": list(tokens), "slots": _slots(slots), "prefix_len": prefix_len, "node": last_node.id}
+        args = {"tokens": list(tokens), "slots": slots.tolist(), "prefix_len": prefix_len, "node": last_node.id}
         inserted = self._cache.cache_finished_req(tokens, slots, prefix_len, last_node)
         self._record("cache_finished_req", args, inserted)
         return inserted

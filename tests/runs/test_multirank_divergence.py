@@ -3,6 +3,8 @@ completes with identical decisions on every rank and outputs that match the refe
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from hicache_lab.entrypoints.launch import run
@@ -84,3 +86,16 @@ def test_a_failing_rank_brings_the_world_down_in_seconds(world_config, tmp_path)
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["crashed"] and summary["failing_rank"] is not None
     assert summary["elapsed_s"] < cfg.parallel.collective_timeout_s, "the others were stopped, not timed out"
+
+
+def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_config, tmp_path):
+    """#28916: the previous step's relay sends are waited for at every check, so stage 0 holds at most one step's,
+    even with no round barrier; reaped by polling instead (#28902), gloo frees none and they grow every step."""
+    held = {}
+    for name, disabled in (("fixed", ()), ("polled", ("bounded_drain",))):
+        cfg = world_config(pp=2, disable_fixes=disabled)
+        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, round_barrier=False))
+        assert run(cfg, tmp_path / name, verbose=False)["completed"]
+        held[name] = [row["relay_sends"] for row in read_trace(tmp_path / name) if row["rank"] == 0]
+    assert max(held["fixed"]) == 1
+    assert held["polled"] == list(range(1, len(held["polled"]) + 1))
