@@ -22,6 +22,7 @@ import torch
 from ..config import CacheConfig
 from ..errors import ConfigError
 from ..mem_cache.recording import ops_path
+from ..mooncake_trace import read_jsonl
 from .sglang_cpu import SGLANG_VERSION
 from .sglang_ref import AgreedCompletion, SGLangCache
 
@@ -33,12 +34,8 @@ def read_ops(path: Path) -> tuple[dict, list[dict]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no recorded cache operations (run with --record-cache-ops)")
-    lines = path.read_text().splitlines()
-    try:
-        records = [json.loads(line) for line in lines]
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path}: not a cache-operations file ({exc})") from exc
-    if not records or records[0].get("op") != "config":
+    records = [record for _, record in read_jsonl(path, "conform")]
+    if records[0].get("op") != "config":
         raise ConfigError(f"{path}: not a cache-operations file (no configuration line)")
     return records[0], records[1:]
 
@@ -239,9 +236,11 @@ def cmd_conform(args) -> int:
         result = replay(ops_path(run_dir, args.rank))
     except RuntimeError as exc:  # sglang missing or of another release
         raise ConfigError(str(exc)) from None
-    rank_file = run_dir / f"rank{args.rank}.json"
-    rounds = json.loads(rank_file.read_text()).get("rounds", []) if rank_file.is_file() else []
-    prompt_tokens = [r["prompt_tokens"] for r in rounds] if len(rounds) == len(result.lab) else []
+    try:  # the run's own result gives each round's prompt tokens, for the rates (the table stands without them)
+        rounds = json.loads((run_dir / f"rank{args.rank}.json").read_text())["rounds"]
+        prompt_tokens = [r["prompt_tokens"] for r in rounds] if len(rounds) == len(result.lab) else []
+    except (OSError, ValueError, KeyError, TypeError):
+        prompt_tokens = []
     print(
         f"{run_dir}, rank {args.rank}: {result.replayed} of {result.operations} cache operations replayed "
         f"through sglang {SGLANG_VERSION}'s UnifiedRadixCache"
