@@ -94,7 +94,11 @@ class CacheConfig:
     mooncake_metadata_url: str = ""  # its HTTP metadata server, e.g. http://127.0.0.1:8080/metadata
     prefetch_policy: str = "best_effort"
     prefetch_threshold: int = 64  # tokens: shorter storage hits are not worth a prefetch (SGLang: 256)
-    prefetch_timeout_steps: int = 4  # `timeout` policy: give up waiting for the rest after this many steps
+    prefetch_timeout_steps: int = 4  # `timeout` policy, virtual latency: stop waiting this many steps after issue
+    prefetch_timeout_base_s: float = 1.0  # `timeout` policy, real latency: SGLang 0.5.23's prefetch_timeout_base
+    prefetch_timeout_per_ki_token_s: float = (
+        0.25  # ... plus this per 1,024 tokens asked (prefetch_timeout_per_ki_token)
+    )
     flush_between_rounds: bool = False  # drop device and host caches between rounds: hits must come from L3
 
     def __post_init__(self) -> None:
@@ -118,6 +122,10 @@ class CacheConfig:
             "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache",
         )
         _check(self.prefetch_threshold >= self.page_size, "--storage-prefetch-threshold must be at least a page")
+        _check(
+            self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_ki_token_s >= 0,
+            "--prefetch-timeout-base and --prefetch-timeout-per-ki-token must be >= 0 seconds",
+        )
         _check(
             bool(self.mooncake_master) == bool(self.mooncake_metadata_url),
             "give --mooncake-master and --mooncake-metadata-url together (or neither, to start a master)",
@@ -153,15 +161,28 @@ class WorkloadConfig:
     request_length: int = 64
     sub_question_input_length: int = 32
     output_length: int = 16
-    max_running_requests: int = 16  # admission limit of a batch
+    max_running_requests: int = 16  # requests past admission at once
+    chunked_prefill_size: int = 4096  # SGLang's default where it knows no GPU memory; -1: no chunked prefill
+    max_prefill_tokens: int = 16384  # SGLang's default
     round_barrier: bool = True
     seed: int = 0
     trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (mooncake_trace.py)
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
 
     def __post_init__(self) -> None:
-        for name in ("num_clients", "num_rounds", "request_length", "output_length", "max_running_requests"):
+        for name in (
+            "num_clients",
+            "num_rounds",
+            "request_length",
+            "output_length",
+            "max_running_requests",
+            "max_prefill_tokens",
+        ):
             _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        _check(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+            f"--chunked-prefill-size {self.chunked_prefill_size}: give a token count, or -1 to turn chunking off",
+        )
         _check(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
         _check(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
         if self.trace_file:
@@ -170,6 +191,11 @@ class WorkloadConfig:
 
     def _trace_lengths(self) -> tuple[int, ...]:
         return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
+
+    @property
+    def chunk_size(self) -> int | None:
+        """`--chunked-prefill-size` as the scheduler takes it: None for no chunking."""
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
 
     def longest_sequence(self) -> int:
         """Tokens of KV held by the longest request: with conversations, the last round's prompt plus output."""
@@ -193,6 +219,7 @@ class ParallelConfig:
     enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
+    pp_async_batch_depth: int = 0  # micro-batch slots beyond pp (SGLang's --pp-async-batch-depth)
     fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write)
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
 
@@ -203,6 +230,7 @@ class ParallelConfig:
         _check_choice(self.device, DEVICES, "--device")
         _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
         _check(self.consensus_check >= 0, "--consensus-check must be >= 0 (0 turns it off)")
+        _check(self.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0")
         for name in (*self.enable_fixes, *self.disable_fixes):
             _check_choice(name, SYNC_FIXES, "fix")
         _check(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
@@ -247,6 +275,11 @@ class ParallelConfig:
         return frozenset((implied | set(self.enable_fixes)) - set(self.disable_fixes))
 
     @property
+    def micro_batches(self) -> int:
+        """Micro-batch slots of the event loop (SGLang's pp_loop_size)."""
+        return self.pp + self.pp_async_batch_depth
+
+    @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp
 
@@ -263,7 +296,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         longest = self.workload.longest_sequence()
         _check(
-            self.cache.max_total_tokens >= longest + self.cache.page_size,
+            self.cache.max_total_tokens > longest + self.cache.page_size,
             f"--max-total-tokens {self.cache.max_total_tokens} cannot hold one request of the workload "
             f"({longest} tokens plus a page): raise it, or shorten the conversation",
         )

@@ -27,7 +27,7 @@ from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
 from .hooks import install, install_faults, resolve
 from .oracle import check_outputs
-from .report import round_rows, write_requests
+from .report import round_rows, scheduling_counts, write_requests
 
 
 @dataclass
@@ -71,7 +71,8 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
         backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
     pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
     asked = RecordingCache(cache, ops_path(out_dir, layout.rank), layout.rank) if cfg.record_cache_ops else cache
-    scheduler = Scheduler(asked, cfg.workload.max_running_requests)
+    w = cfg.workload
+    scheduler = Scheduler(asked, w.max_running_requests, w.chunk_size, w.max_prefill_tokens, p.micro_batches, p.pp)
     install(resolve(p.sync_impls), sync, cache)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
@@ -117,6 +118,7 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
         cache.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
+        result["scheduling"] = scheduling_counts(loop)
         if rank == 0:
             write_requests(out_dir, loop.reqs)
         if cfg.check_outputs and result["completed"]:

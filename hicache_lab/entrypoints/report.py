@@ -62,6 +62,33 @@ def mean_hit_rate(rows: list[dict], first: int, last: int, key: str = "hit_rate"
     return sum(chosen) / len(chosen) if chosen else float("nan")
 
 
+def scheduling_counts(loop) -> dict:
+    """What one rank's scheduler did beyond plain prefills and decodes, and the most relay sends it held."""
+    stats = loop.scheduler.stats
+    return {
+        "chunked_prefills": stats["chunks"],
+        "retractions": stats["retractions"],
+        "max_relay_sends": max((r.relay_sends for r in loop.records), default=0),
+        "max_older_relay_sends": max((r.relay_sends - r.relay_sent for r in loop.records), default=0),
+    }
+
+
+def _merge_scheduling(results: list[dict]) -> dict:
+    """Rank 0's chunk and retraction counts (every rank's are equal when they agree), the world's most relay
+    sends held at once (which rank held them), and the most held from steps before the current one (0 when
+    every step drains the previous one's)."""
+    counted = [r for r in results if "scheduling" in r]
+    if not counted:
+        return {}
+    most = max(counted, key=lambda r: r["scheduling"]["max_relay_sends"])
+    return {
+        **counted[0]["scheduling"],
+        "max_relay_sends": most["scheduling"]["max_relay_sends"],
+        "max_relay_sends_rank": most["rank"],
+        "max_older_relay_sends": max(r["scheduling"]["max_older_relay_sends"] for r in counted),
+    }
+
+
 def sglang_flags(cfg: RunConfig) -> str:
     """The SGLang server flags this run corresponds to."""
     p, c = cfg.parallel, cfg.cache
@@ -129,6 +156,7 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int,
         "first_divergence": divergence,
         "rounds": results[0]["rounds"] if results and results[0]["rank"] == 0 else [],
         "per_rank_hit_rates": {str(r["rank"]): [row["hit_rate"] for row in r["rounds"]] for r in results},
+        "scheduling": _merge_scheduling(results),
         "outputs_match_reference": oracle["ok"] if oracle else None,
         "oracle": oracle,
         "elapsed_s": elapsed_s,
@@ -153,6 +181,12 @@ def print_summary(summary: dict) -> None:
         print(f"diverged at step {d['step']} on {d['quantity']}: {d['values']}")
     if summary["crashed"]:
         print(f"crashed (rank {summary['failing_rank']}): {summary['error']}")
+    if s := summary.get("scheduling"):
+        print(
+            f"scheduling: {s['chunked_prefills']} prefill chunks, {s['retractions']} retractions; "
+            f"at most {s['max_relay_sends']} relay sends outstanding, {s['max_older_relay_sends']} of them "
+            "from earlier steps"
+        )
     if summary["outputs_match_reference"] is not None:
         print(f"outputs_match_reference: {summary['outputs_match_reference']}")
 

@@ -150,10 +150,23 @@ class _Replayer:
             if got != lab:
                 self.differ(index, op, "tokens freed", lab, got)
         elif op == "alloc_device":
-            self.learn_slots(lab, s.alloc_device(args["tokens"]))
+            self.learn_slots(lab, s.alloc_device(args["tokens"], args.get("demand")))
+        elif op == "evict_to_free":
+            if s.evict_to_free(args["tokens"]) != lab:
+                self.differ(index, op, "the slots are free", lab, not lab)
+        elif op == "free_request":
+            s.free_request(self.to_sglang(args["slots"]), args["prefix_len"], self.nodes[args["node"]])
+        elif op == "cache_unfinished_req":
+            slots, node = self.to_sglang(args["slots"]), self.nodes[args["node"]]
+            prefix, last = s.cache_unfinished_req(
+                tuple(args["tokens"]), slots, args["prefix_len"], node, args["inserted_len"]
+            )
+            self.nodes[lab["node"]] = last
+            self.same_slots(index, op, lab["prefix"], prefix)
         elif op == "cache_finished_req":
-            slots = self.to_sglang(args["slots"])
-            got = s.cache_finished_req(tuple(args["tokens"]), slots, args["prefix_len"], self.nodes[args["node"]])
+            slots, node = self.to_sglang(args["slots"]), self.nodes[args["node"]]
+            tokens, prefix_len = tuple(args["tokens"]), args["prefix_len"]
+            got = s.cache_finished_req(tokens, slots, prefix_len, node, args["inserted_len"], args["prompt_len"])
             if got != lab:
                 self.differ(index, op, "tokens the tree already held", lab, got)
         elif op == "start_loading":

@@ -218,13 +218,24 @@ class SGLangCache:
     def evict_host(self, num_tokens: int) -> int:
         return self.cache.evict_host(num_tokens)
 
-    def alloc_device(self, num_tokens: int) -> torch.Tensor:
-        """As SGLang's scheduler allocates (`alloc_token_slots`): evict the shortfall, then allocate."""
+    def evict_to_free(self, num_tokens: int) -> bool:
         self.allocator.evict_to_free_tokens(self.cache, num_tokens)
+        return self.allocator.available_size() >= num_tokens
+
+    def alloc_device(self, num_tokens: int, demand: int | None = None) -> torch.Tensor:
+        """As SGLang's scheduler allocates (`alloc_token_slots`, `alloc_paged_token_slots_*`): evict until
+        `demand` tokens are free, then allocate."""
+        self.evict_to_free(max(num_tokens, demand or 0))
         slots = self.allocator.alloc(num_tokens)
         if slots is None:
             raise PoolExhaustedError(f"SGLang's device pool: {num_tokens} tokens asked")
         return slots
+
+    def free_request(self, slots: torch.Tensor, prefix_len: int, last_node: int) -> None:
+        """SGLang's `release_kv_cache(checkpoint=False)`: free the row past the protected prefix, unlock."""
+        if len(slots) > prefix_len:
+            self.allocator.free(slots[prefix_len:])
+        self.dec_lock_ref(last_node)
 
     def init_load_back(self, match: SGLangMatch) -> tuple[int, int]:
         """Load back a match's host-only tail (SGLang decides, from its threshold): (tokens loaded, the node the
@@ -249,19 +260,36 @@ class SGLangCache:
         self.dec_lock_ref(match.last_device_node)
         return self.cache.path_device_indices(last), last
 
-    def insert(self, tokens: tuple[int, ...], value: torch.Tensor, prev_prefix_len: int = 0) -> int:
-        """SGLang's insert: frees the caller's duplicates of slots the tree held, past `prev_prefix_len`."""
-        params = self.sg.params.InsertParams(key=self.key(tokens), value=value, prev_prefix_len=prev_prefix_len)
-        return self.cache.insert(params).prefix_len
+    def insert(self, tokens: tuple[int, ...], value: torch.Tensor, prev_prefix_len: int = 0, inserted_len: int = 0):
+        """SGLang's insert: frees the caller's duplicates of slots the tree held, past `prev_prefix_len`; counts
+        hits only on nodes ending past `inserted_len`. Its `InsertResult`."""
+        params = self.sg.params.InsertParams(
+            key=self.key(tokens), value=value, prev_prefix_len=prev_prefix_len, inserted_len=inserted_len
+        )
+        return self.cache.insert(params)
 
-    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
-        """The lab's `cache_finished_req` on SGLang's insert (which frees the duplicates itself)."""
+    def cache_unfinished_req(self, tokens, slots: torch.Tensor, prefix_len: int, last_node: int, inserted_len: int):
+        """SGLang's `checkpoint_into_tree` for a full-attention request: insert what is computed, then move the
+        request's lock to the node the insert ended on; the tree's slots for the tokens, and that node."""
+        result = self.insert(tokens, slots[: len(tokens)], prefix_len, inserted_len)
+        self.dec_lock_ref(last_node)
+        self.inc_lock_ref(result.last_device_node)
+        return self.cache.path_device_indices(result.last_device_node), result.last_device_node
+
+    def cache_finished_req(
+        self, tokens, slots: torch.Tensor, prefix_len: int, last_node: int, inserted_len: int = 0, prompt_len: int = 0
+    ) -> int:
+        """SGLang's `release_kv_cache(checkpoint=True)`: the insert, the split at the prompt's last page, then
+        the row's unaligned tail freed and the lock released."""
         aligned = len(tokens)
-        new_prefix_len = self.insert(tokens, slots[:aligned], prev_prefix_len=prefix_len)
+        matched = self.insert(tokens, slots[:aligned], prefix_len, inserted_len).prefix_len
+        prompt = prompt_len // self.cfg.page_size * self.cfg.page_size
+        if 0 < prompt < aligned:
+            self.insert(tokens[:prompt], slots[:prompt], prompt, prompt)
         if len(slots) > aligned:
             self.allocator.free(slots[aligned:])
         self.dec_lock_ref(last_node)
-        return new_prefix_len
+        return matched
 
     def flush_pending_backups(self) -> None:
         """A batch's results are processed: its queued host writes start as one copy."""

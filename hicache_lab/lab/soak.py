@@ -2,7 +2,8 @@
 
 Every case draws a world (tp 1-2, cp 1-2, pp 1-4, at most `--max-ranks` ranks), a write policy, a page size,
 the storage tier on or off (with a prefetch policy, maybe flushing between rounds), virtual or real latency,
-and a workload seed; the same case then runs once in each mode (`fixed`, `legacy`), as its own
+a chunked prefill size, an answer length (long answers run out of decode memory: retractions), and a workload
+seed; the same case then runs once in each mode (`fixed`, `legacy`), as its own
 `python -m hicache_lab run` process group with a hard wall-clock limit. A run is counted as
 
 * a **hang** if it outlives the limit (its whole process group is killed),
@@ -47,6 +48,8 @@ class Case:
     flush: bool
     latency: str
     delay: int  # virtual: max copy delay in steps; real: mean injected delay in ms
+    chunk: int  # --chunked-prefill-size (-1: off)
+    output_length: int  # 8, or 32: decode memory runs short and requests are retracted
 
     @property
     def ranks(self) -> int:
@@ -62,6 +65,7 @@ class Case:
         ]  # fmt: skip
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
+        args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
         if self.storage:
             args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", self.prefetch_policy]
             args += ["--storage-prefetch-threshold", "16"]
@@ -93,6 +97,8 @@ def draw_cases(runs: int, seed: int, max_ranks: int) -> list[Case]:
                 flush=bool(rng.random() < 0.5),
                 latency=latency,
                 delay=int(rng.integers(1, 4)) if latency == "virtual" else int(rng.integers(0, 3)),
+                chunk=int(rng.choice([-1, 16, 48, 4096])),
+                output_length=int(rng.choice([8, 32])),
             )
         )
     return cases
@@ -123,6 +129,8 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
         diverged=bool(divergence),
         mismatched=bool(summary) and summary["outputs_match_reference"] is False,
         first_divergence=f"step {divergence['step']} {divergence['quantity']}" if divergence else "",
+        chunks=(summary or {}).get("scheduling", {}).get("chunked_prefills", 0),
+        retractions=(summary or {}).get("scheduling", {}).get("retractions", 0),
         error=(summary or {}).get("error") or ("" if summary or hung else f"no summary (exit {proc.returncode})"),
     )
     return row
@@ -131,14 +139,19 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
 def summarize_rows(rows: list[dict], modes: list[str]) -> str:
     """The Markdown table: per mode, how many runs ended in each way."""
     lines = [
-        "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate |",
-        "|------|-----:|------------:|--------:|------:|------------------:|----------------:|",
+        "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate "
+        "| runs with chunks | runs with retractions |",
+        "|------|-----:|------------:|--------:|------:|------------------:|----------------:"
+        "|-----------------:|----------------------:|",
     ]
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         counts = [sum(r[k] for r in mine) for k in ("diverged", "crashed", "hung", "mismatched")]
         rate = counts[0] / len(mine) if mine else 0.0
-        lines.append(f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} |")
+        pressure = [sum(bool(r[k]) for r in mine) for k in ("chunks", "retractions")]
+        lines.append(
+            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | {pressure[0]} | {pressure[1]} |"
+        )
     return "\n".join(lines)
 
 

@@ -12,6 +12,9 @@ from ..model import ForwardBatch
 
 @dataclass(eq=False)
 class Req:
+    """A request and its KV. `slots` is its row of device slots (SGLang's `req_to_token` row), whole pages: the
+    first `prefix_len` belong to the tree (locked through `last_node`), the rest to the request."""
+
     rid: int
     client: int
     round: int
@@ -20,25 +23,34 @@ class Req:
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per output token, kept for the oracle
-    prefix_indices: torch.Tensor | None = None  # device slots of the cached prefix (loaded part included)
-    own_slots: torch.Tensor | None = None  # slots reserved for the rest of the sequence, whole pages
-    last_node: TreeNode | None = None  # locked while the request runs
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    prefix_len: int = 0  # leading tokens of `slots` the tree holds (SGLang's cache_protected_len)
+    inserted_len: int = 0  # leading tokens this request already inserted (their hits were counted then)
+    last_node: TreeNode | None = None  # locked while the request holds slots
     kv_len: int = 0  # tokens whose K/V are in the pool
-    cached_device: int = 0
+    extend_end: int = 0  # where the prefill being run ends (a chunk ends before the sequence does)
+    middle_chunks: int = 0  # chunks in flight whose result samples nothing (SGLang's inflight_middle_chunks)
+    cached_device: int = 0  # hits at its first admission (a retracted request's later ones are not counted)
     cached_host: int = 0
     cached_storage: int = 0  # loaded from host after a prefetch brought it from storage
     prefetched: int = 0  # tokens its storage prefetch inserted into the tree (host-only nodes)
     upper_bound_cached: int = 0  # what an infinite cache would have matched
+    chunks: int = 0  # prefill forward passes it took beyond the first (chunked prefill)
+    retractions: int = 0  # times decode memory ran out and it went back to the queue
     first_token_at: float = 0.0
-    in_flight: bool = False  # in a micro-batch whose sampled tokens have not come back yet
 
     @property
     def finished(self) -> bool:
         return len(self.output) >= self.max_new_tokens
 
+    @property
+    def fill_ids(self) -> list[int]:
+        """What its next prefill computes from: the prompt and what it answered so far (after a retraction)."""
+        return self.prompt + self.output
+
     def seq_slots(self, length: int) -> torch.Tensor:
         """Slots of the first `length` tokens of the sequence."""
-        return torch.cat([self.prefix_indices, self.own_slots])[:length]
+        return self.slots[:length]
 
 
 @dataclass
@@ -55,3 +67,10 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return sum(self.forward.extend_lens) if self.forward else 0
+
+    @property
+    def prefix_tokens(self) -> int:
+        """Tokens a prefill did not compute (cached, or earlier chunks of the request); 0 for a decode."""
+        if self.kind != "prefill":
+            return 0
+        return sum(r.kv_len - n for r, n in zip(self.reqs, self.forward.extend_lens, strict=True))

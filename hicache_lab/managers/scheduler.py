@@ -1,20 +1,21 @@
-"""One rank's scheduling: which requests run next, with which cached prefix. `schedule()` reads, in order:
+"""One rank's scheduling, as SGLang's `Scheduler` (`get_next_batch_to_run`, 0.5.23). `schedule()` runs, in order:
 
-    advance copies -> check_hicache_events (agreed ack counts) -> build a prefill batch (match_prefix,
-    lock_match: load back what only the host holds, allocate/evict) -> start_loading
+    advance copies -> check_hicache_events (agreed ack counts) -> the chunked request's last chunk into the
+    tree -> a prefill batch (schedule_policy.PrefillAdder: match_prefix, lock, load back what only the host
+    holds) -> start_loading -> allocate the batch's extend slots (evicting the shortfall)
+    or, when no prefill fits, a decode step: one slot per request (evicting then), retracting requests when
+    even eviction cannot free them.
 
-and `process_result()` appends sampled tokens and inserts finished requests; the host writes those inserts ask
-for start together when it ends (`flush_pending_backups`, as SGLang's `process_batch_result`).
-
-A prefill batch runs when a waiting request can be admitted (at most `max_running_requests` in flight, and
-only if its whole sequence fits in free plus evictable device slots); otherwise the running requests decode
-one token. A request reserves the device slots for its prompt and all its output tokens at admission.
+Requests still waiting for their storage prefetch are skipped, not waited for. `process_result()` appends the
+sampled tokens; a request's prompt goes into the tree after its prefill (`cache_unfinished_req`, SGLang's
+`checkpoint_kv_cache`) and its whole sequence at the end (`cache_finished_req`); the host writes those inserts
+ask for start together when it ends (`flush_pending_backups`, as SGLang's `process_batch_result`).
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter
 
 import torch
 
@@ -22,22 +23,39 @@ from ..errors import PoolExhaustedError
 from ..mem_cache.base import BasePrefixCache
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
+from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder
 
 
 class Scheduler:
     """One rank's cache and batch logic; `scheduler_pp.StageLoop` runs the model and moves data between stages.
     It reaches the cache only through the operations of its contract, `mem_cache/base.BasePrefixCache`."""
 
-    def __init__(self, cache: BasePrefixCache, max_running: int):
+    def __init__(
+        self,
+        cache: BasePrefixCache,
+        max_running: int,
+        chunked_prefill_size: int | None = None,
+        max_prefill_tokens: int = 16384,
+        micro_batches: int = 1,
+        pp_size: int = 1,
+    ):
         self.cache = cache
-        self.max_running = max_running
+        self.max_running = max_running  # rows of requests holding slots, all micro-batches together
+        self.mb_limit = max(max_running // pp_size, 1)  # SGLang's pp_max_micro_batch_size
+        self.chunked_prefill_size, self.max_prefill_tokens = chunked_prefill_size, max_prefill_tokens
         self.page_size = cache.cfg.page_size
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []  # admitted and not finished; `in_flight` ones are in a micro-batch
+        self.waiting: list[Req] = []
+        # Per micro-batch slot (SGLang's running_mbs): requests past their prefill, not finished; a request stays
+        # in the slot whose batch ran its prefill, and decodes only when that slot comes round again.
+        self.running_mbs: list[list[Req]] = [[] for _ in range(micro_batches)]
+        self.mb = 0  # the slot being scheduled
+        self.chunked_req: Req | None = None  # the one request whose prefill runs in chunks
+        self.new_token_ratio = NewTokenRatio()
+        self.stats: Counter[str] = Counter()  # chunks, retractions
 
     def add(self, reqs: list[Req]) -> None:
         for req in reqs:
-            self.cache.prefetch_from_storage(req.rid, req.prompt)
+            self.cache.prefetch_from_storage(req.rid, req.fill_ids)
             self.waiting.append(req)
 
     def _pages(self, tokens: int) -> int:
@@ -45,59 +63,91 @@ class Scheduler:
 
     def schedule(self, iteration: int) -> Batch:
         """Advance copies, consume agreed acks, then build a prefill batch if one fits, else a decode batch."""
+        self.mb = iteration % len(self.running_mbs)
         self.cache.advance(iteration)
         acks = self.cache.check_hicache_events()
-        batch = self._admit_batch()
-        if not batch and not self.running and self.waiting:
-            self._end_prefetches_behind_the_head()
-            batch = self._admit_batch()
-        if batch:
-            self.running.extend(batch)
+        if self.chunked_req is not None and self.chunked_req.kv_len > self.chunked_req.prefix_len:
+            self._cache_unfinished_req(self.chunked_req)  # SGLang's stash_chunked_request
+        if batch := self._get_new_batch_prefill():
             result = Batch("prefill", batch, self._prefill(batch), acks)
-        elif ready := [r for r in self.running if not r.in_flight]:
+        elif ready := self._update_running_batch(list(self.running_mbs[self.mb])):
             result = Batch("decode", ready, self._decode(ready), acks)
         else:
             result = Batch("idle", [], None, acks)
+            if not self.running:
+                self.new_token_ratio.reset()
             if self.waiting and not self.running and not self.cache.copies_in_flight():
                 raise PoolExhaustedError(
-                    f"request {self.waiting[0].rid} ({len(self.waiting[0].prompt)} prompt tokens) can never fit "
+                    f"request {self.waiting[0].rid} ({len(self.waiting[0].fill_ids)} tokens) can never fit "
                     "the device pool: raise --max-total-tokens"
                 )
-        for req in result.reqs:
-            req.in_flight = True
         return result
 
     def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
-        """Append each request's sampled token; finished requests go into the tree. Returns them."""
+        """Append each request's sampled token (a chunk before the last samples none); a request goes into the
+        tree after its prefill and when it finishes. Returns the finished ones."""
         if len(tokens) != len(batch.reqs):
             raise RuntimeError(f"a result of {len(tokens)} tokens for a micro-batch of {len(batch.reqs)} requests")
         now = time.perf_counter()
+        answered = []
         for i, (req, token) in enumerate(zip(batch.reqs, tokens, strict=True)):
+            if batch.kind == "prefill" and req.middle_chunks:
+                req.middle_chunks -= 1  # its last row predicts a token of the prompt: nothing to answer
+                continue
             req.output.append(token)
-            req.in_flight = False
             if logits is not None:
                 req.logits.append(logits[i])
-            if batch.kind == "prefill":
+            if batch.kind == "prefill" and not req.first_token_at:
                 req.first_token_at = now
-        finished = [r for r in batch.reqs if r.finished]
-        for req in finished:
-            self._cache_finished_req(req)
+            answered.append(req)
+        for req in answered:
+            if req.finished:
+                self._cache_finished_req(req)
+            elif batch.kind == "prefill":
+                self._cache_unfinished_req(req)  # SGLang's checkpoint after a prefill
         self.cache.flush_pending_backups()  # SGLang: "before the next scheduler step"
-        self.running = [r for r in self.running if not r.finished]
-        return finished
+        for running in self.running_mbs:
+            running[:] = [r for r in running if not r.finished]
+        return [r for r in answered if r.finished]
 
-    def _admit_batch(self) -> list[Req]:
-        batch = []
-        while self.waiting and len(self.running) + len(batch) < self.max_running and self._admit(self.waiting[0]):
-            batch.append(self.waiting.popleft())
-        return batch
+    # -- prefill ---------------------------------------------------------------------------------------
 
-    def _end_prefetches_behind_the_head(self) -> None:
-        """Nothing runs and the head of the queue does not fit: the device nodes it needs may be locked as the
-        anchors of prefetches of requests behind it, which end only at their own admission — a livelock found
-        by the soak. End every prefetch that may end now (agreed, in queue order, alike on every rank)."""
-        for req in list(self.waiting)[1:]:
-            self._prefetch_ended(req)
+    def _get_new_batch_prefill(self) -> list[Req]:
+        """SGLang's `_get_new_batch_prefill_raw`: the chunked request's next chunk first, then waiting
+        requests in order, skipping those whose prefetch is still running, until a budget runs out."""
+        running = self.running_mbs[self.mb]
+        rows = self.max_running - len(self.running) - (self.chunked_req is not None)  # free request rows
+        if self.chunked_req is None and (not self.waiting or min(self.mb_limit - len(running), rows) <= 0):
+            return []
+        adder = PrefillAdder(
+            self.cache, running, self.new_token_ratio.current, self.max_prefill_tokens, self.chunked_prefill_size
+        )
+        if self.chunked_req is not None:
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+        ps = self.page_size
+        # SGLang's get_num_allocatable_reqs: the slot's budget, and the free rows plus the one the chunked
+        # request (admitted above) already holds
+        allocatable = min(self.mb_limit - len(running), rows + len(adder.can_run))
+        for req in self.waiting:
+            if adder.budget_state() is AddReqResult.OTHER or len(adder.can_run) >= allocatable:
+                break
+            if not self._prefetch_ended(req):
+                continue  # SGLang: "skip staging requests that are ongoing prefetch"
+            fill = req.fill_ids
+            match = self.cache.match_prefix(tuple(fill[: (len(fill) - 1) // ps * ps]))
+            if adder.add_one_req(req, match) is not AddReqResult.CONTINUE:
+                break
+        admitted = set(map(id, adder.can_run))
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            self.chunked_req = adder.new_chunked_req
+        for req in adder.can_run:
+            if req is self.chunked_req:
+                req.middle_chunks += 1
+                self.stats["chunks"] += 1
+            elif req not in running:
+                running.append(req)
+        return adder.can_run
 
     def _prefetch_ended(self, req: Req) -> bool:
         """Whether the request's storage prefetch (if any) has ended; what it inserted counts as storage hits."""
@@ -107,46 +157,74 @@ class Scheduler:
         req.prefetched += inserted
         return True
 
-    def _admit(self, req: Req) -> bool:
-        """Match, lock, check room, load back, reserve slots; False (and nothing held) if it does not fit."""
-        ps, cache = self.page_size, self.cache
-        if not self._prefetch_ended(req):
-            return False
-        match = cache.match_prefix(tuple(req.prompt[: (len(req.prompt) - 1) // ps * ps]))
-        device_len = len(match.device_indices)
-        need = self._pages(len(req.prompt) - device_len + req.max_new_tokens)
-        cache.inc_lock_ref(match.last_device_node)
-        if cache.device_room() < need:
-            cache.dec_lock_ref(match.last_device_node)
-            return False
-        prefix, last = cache.lock_match(match)
-        req.prefix_indices, req.last_node = prefix, last
-        req.cached_device = device_len
-        req.cached_storage = min(req.prefetched, len(prefix) - device_len)
-        req.cached_host = len(prefix) - device_len - req.cached_storage
-        req.own_slots = self.cache.alloc_device(self._pages(len(req.prompt) - len(prefix) + req.max_new_tokens))
-        return True
-
     def _prefill(self, batch: list[Req]) -> ForwardBatch:
+        """Start the batch's loads, then allocate its extend slots (SGLang's `prepare_for_extend`)."""
         load_event = self.cache.start_loading()
-        extend = [len(r.prompt) - len(r.prefix_indices) for r in batch]
+        need = [self._pages(r.extend_end) - len(r.slots) for r in batch]
+        extend = [r.extend_end - r.kv_len for r in batch]
+        demand = sum(extend) + len(batch) * self.page_size if self.page_size > 1 else sum(need)
+        new = self.cache.alloc_device(sum(need), demand).split(need)
+        for req, slots in zip(batch, new, strict=True):
+            req.slots = torch.cat([req.slots, slots])
         forward = ForwardBatch(
-            tokens=torch.tensor([t for r in batch for t in r.prompt[len(r.prefix_indices) :]]),
-            positions=torch.cat([torch.arange(len(r.prefix_indices), len(r.prompt)) for r in batch]),
-            out_slots=torch.cat([r.own_slots[:n] for r, n in zip(batch, extend, strict=True)]),
-            seq_slots=[r.seq_slots(len(r.prompt)) for r in batch],
+            tokens=torch.tensor([t for r in batch for t in r.fill_ids[r.kv_len : r.extend_end]]),
+            positions=torch.cat([torch.arange(r.kv_len, r.extend_end) for r in batch]),
+            out_slots=torch.cat([r.slots[r.kv_len : r.extend_end] for r in batch]),
+            seq_slots=[r.seq_slots(r.extend_end) for r in batch],
             extend_lens=extend,
             load_event=load_event,
         )
         for req in batch:
-            req.kv_len = len(req.prompt)
+            req.kv_len = req.extend_end
         return forward
 
+    # -- decode ----------------------------------------------------------------------------------------
+
+    def _new_decode_tokens(self, reqs: list[Req]) -> int:
+        """Slots the next decode step allocates: a page for each request whose last page is full."""
+        return sum(self.page_size for r in reqs if r.kv_len % self.page_size == 0)
+
+    def _update_running_batch(self, ready: list[Req]) -> list[Req]:
+        """SGLang's `update_running_batch`: when even eviction cannot free the step's slots, retract requests
+        (fewest answered tokens first, then the longest prompt) until it can. SGLang keeps one and aborts it if
+        even that one cannot decode (possible with several micro-batches, whose admission budgets count only their
+        own requests); the lab, which aborts nothing, retracts it too."""
+        if not ready:
+            return ready
+        if self.cache.evict_to_free(self._new_decode_tokens(ready)):
+            self.new_token_ratio.decay_step()
+            return ready
+        keep = sorted(ready, key=lambda r: (len(r.output), -len(r.prompt)), reverse=True)
+        while len(keep) > 1:
+            self._retract(keep.pop(), len(keep))
+            if self.cache.evict_to_free(self._new_decode_tokens(keep)):
+                break
+        if not self.cache.evict_to_free(self._new_decode_tokens(keep)):
+            self._retract(keep.pop(), 0)
+        self.new_token_ratio.after_retract(keep)
+        return [r for r in ready if r in keep]
+
+    def _retract(self, req: Req, remaining: int) -> None:
+        """Free the request's own slots (what the tree holds stays cached) and queue it again: it will prefill
+        its prompt and answer so far (SGLang's `release_req` with `release_kv_cache(checkpoint=False)`)."""
+        self.cache.free_request(req.slots, req.prefix_len, req.last_node)
+        self.cache.evict_to_free(remaining * RETRACT_DECODE_STEPS)
+        self.running_mbs[self.mb].remove(req)
+        req.slots, req.prefix_len, req.inserted_len, req.kv_len, req.last_node = req.slots[:0], 0, 0, 0, None
+        req.retractions += 1
+        self.stats["retractions"] += 1
+        self.add([req])
+
     def _decode(self, reqs: list[Req]) -> ForwardBatch:
+        need = self._new_decode_tokens(reqs)
+        new = iter(self.cache.alloc_device(need, len(reqs) * self.page_size).split(self.page_size) if need else ())
+        for req in reqs:
+            if req.kv_len % self.page_size == 0:
+                req.slots = torch.cat([req.slots, next(new)])
         forward = ForwardBatch(
             tokens=torch.tensor([r.output[-1] for r in reqs]),
             positions=torch.tensor([r.kv_len for r in reqs]),
-            out_slots=torch.stack([r.seq_slots(r.kv_len + 1)[-1] for r in reqs]),
+            out_slots=torch.stack([r.slots[r.kv_len] for r in reqs]),
             seq_slots=[r.seq_slots(r.kv_len + 1) for r in reqs],
             extend_lens=[1] * len(reqs),
         )
@@ -154,12 +232,26 @@ class Scheduler:
             req.kv_len += 1
         return forward
 
+    # -- into the tree ---------------------------------------------------------------------------------
+
+    def _cache_unfinished_req(self, req: Req) -> None:
+        """Insert the whole pages computed so far; the request's row takes the tree's slots, its lock moves."""
+        aligned = req.kv_len // self.page_size * self.page_size
+        tokens = tuple(req.fill_ids[:aligned])
+        slots, req.last_node = self.cache.cache_unfinished_req(
+            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len
+        )
+        req.slots = torch.cat([slots, req.slots[aligned:]])
+        req.prefix_len = aligned
+        req.inserted_len = max(req.inserted_len, aligned)
+
     def _cache_finished_req(self, req: Req) -> None:
         """Insert the finished sequence's whole pages; free duplicates and the unused tail; unlock."""
         aligned = req.kv_len // self.page_size * self.page_size
-        slots = req.seq_slots(len(req.prefix_indices) + len(req.own_slots))
-        tokens = tuple((req.prompt + req.output)[:aligned])
-        self.cache.cache_finished_req(tokens, slots, len(req.prefix_indices), req.last_node)
+        tokens = tuple(req.fill_ids[:aligned])
+        self.cache.cache_finished_req(
+            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len, len(req.prompt)
+        )
 
     def new_round(self, flush: bool) -> None:
         """A round begins, nothing running: check the cache's invariants; with --flush-cache-between-rounds
@@ -168,6 +260,12 @@ class Scheduler:
         if flush and self.cache.cfg.flush_between_rounds:
             self.cache.flush()
 
+    @property
+    def running(self) -> list[Req]:
+        """Every running request, all slots."""
+        return [r for running in self.running_mbs for r in running]
+
     def held_by_requests(self) -> int:
-        """Device slots reserved by running requests and not yet in the tree."""
-        return sum(len(r.own_slots) for r in self.running)
+        """Device slots held by requests and not (yet) the tree's."""
+        holders = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+        return sum(len(r.slots) - r.prefix_len for r in holders)

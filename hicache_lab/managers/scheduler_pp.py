@@ -3,18 +3,23 @@ plain serving loop.
 
 Iteration i of stage s:
 
-1. once `pp` micro-batches are in flight, take back the oldest one's sampled tokens (stages < last receive
-   them from the last stage) and let the scheduler append them and insert finished requests;
-2. requests: stage 0 takes new arrivals from the `Feeder`; every stage hands them to the next one;
-3. `scheduler.schedule(i)`: agreed ack counts, then this stage's *own* batch from its *own* tree;
-4. forward: stage 0 embeds tokens; later stages receive hidden states (shape first, then data) and view them
+1. requests: stage 0 takes new arrivals from the `Feeder`; every stage hands them to the next one;
+2. `scheduler.schedule(i)`: agreed ack counts, then this stage's *own* batch from its *own* tree;
+3. forward: stage 0 embeds tokens; later stages receive hidden states (shape first, then data) and view them
    with their own token count — if the stages' caches diverged, this is where SGLang crashed with
    `shape '[N, -1, D]' is invalid for input of size M`; the last stage samples and sends the tokens back to
-   every earlier stage.
+   every earlier stage;
+4. once every micro-batch slot (`pp + --pp-async-batch-depth`, SGLang's `pp_loop_size`) is in flight, take back
+   the oldest one's sampled tokens and let the scheduler append them and put its requests into the tree (with
+   one stage and no depth: the batch just run, as SGLang's `run_batch` then `process_batch_result`). The
+   tokens go round a ring, as in SGLang: the last stage sends them to stage 0, which hands them to stage 1, ...
 
-Every send is asynchronous and its handle kept until the next round starts, so no stage ever waits for a
-later one: stages run up to `pp` micro-batches apart, not in lockstep — which is why their polls of copy
-events see different things.
+The scheduler keeps one running batch per slot (`Scheduler.running_mbs`): slot i % slots builds iteration i's
+micro-batch, so a request decodes every `slots` iterations, in the slot that ran its prefill.
+
+Every send of this loop is asynchronous and its handle kept until the next round starts, so no stage waits for a
+later one here: stages run up to a slot cycle apart, not in lockstep — which is why their polls of copy events
+see different things. (The cache's relay sends are drained every step: `CacheSync.drain_async_work`.)
 """
 
 from __future__ import annotations
@@ -73,10 +78,12 @@ class StageLoop:
         self.on_iteration: list[Callable[[int], None]] = []  # called as each iteration begins (entrypoints/hooks)
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
+        self.loop_size = len(scheduler.running_mbs)  # micro-batch slots: pp + async depth (pp_loop_size)
         self.sends: list[tuple[int, dist.Work, torch.Tensor]] = []  # (iteration, handle, the tensor it reads)
         self.iteration = 0
         self.records: list[StepRecord] = []
         self.reqs: list[Req] = []  # every request this stage saw, in arrival order
+        self._relay_mark = 0  # relay sends issued before this step
 
     # -- point to point ----------------------------------------------------------------------------
 
@@ -100,8 +107,8 @@ class StageLoop:
         """Wait for the sends of iterations before `before` (all if None), so the list stays bounded.
 
         At iteration i only sends of iterations <= i - pp are waited for: stage 0 takes back the sampled
-        tokens of iteration j only at iteration j + pp, so waiting for newer ones would make the last stage
-        wait on stage 0 — a cycle as soon as anything else (a consensus check) makes stage 0 wait on it.
+        tokens of iteration j only at the end of iteration j + pp - 1, so waiting for newer ones would make the
+        last stage wait on stage 0 — a cycle as soon as anything else (a consensus check) makes stage 0 wait on it.
         """
         keep = []
         for iteration, work, tensor in self.sends:
@@ -119,8 +126,6 @@ class StageLoop:
             iteration = self.iteration
             for hook in self.on_iteration:
                 hook(iteration)
-            if len(in_flight) == self.pp_size:
-                self._finish(in_flight.popleft())
             reqs, new_round, stop = self._exchange_requests()
             if stop:
                 break
@@ -133,11 +138,13 @@ class StageLoop:
             batch = self.scheduler.schedule(iteration)
             try:
                 self._forward(batch)
+                in_flight.append(batch)
+                if len(in_flight) == self.loop_size:  # the next slot's tokens are back: process them
+                    self._finish(in_flight.popleft())
             finally:  # a step that crashes is traced too: its batch is usually the evidence
                 record = self._record(iteration, batch, start)
             if self.consensus_every and iteration % self.consensus_every == 0:
                 self.sync.check_consensus(iteration, consensus_values(record))
-            in_flight.append(batch)
             self.iteration += 1
         while in_flight:
             self._finish(in_flight.popleft())
@@ -175,8 +182,8 @@ class StageLoop:
             last_rows = torch.tensor(batch.forward.extend_lens).cumsum(0) - 1
             batch.logits = self.model.logits(hidden[last_rows.to(hidden.device)]).cpu()
             batch.tokens = batch.logits.argmax(-1).tolist()
-        for stage in range(self.last):
-            self._send_sized(torch.tensor(batch.tokens, dtype=torch.int64), stage)
+        if self.pp_size > 1:  # the output ring starts: last stage -> stage 0 -> stage 1 -> ...
+            self._send_sized(torch.tensor(batch.tokens, dtype=torch.int64), 0)
 
     def _send_hidden(self, hidden: torch.Tensor) -> None:
         self._isend(torch.tensor(hidden.shape, dtype=torch.int64), self.pp_rank + 1, self.groups.pp_control)
@@ -192,10 +199,15 @@ class StageLoop:
         return hidden
 
     def _finish(self, batch: Batch) -> None:
+        """Process a micro-batch's sampled tokens; a stage before the last takes them from the one before it in
+        the ring (stage 0: from the last) and hands them on (SGLang's `event_loop_pp` output ring)."""
         if self.pp_rank == self.last:
             tokens, logits = batch.tokens, batch.logits
         else:
-            tokens, logits = self._recv_sized(self.last).tolist(), None
+            ring = self._recv_sized(self.pp_rank - 1 if self.pp_rank > 0 else self.last)
+            if self.pp_rank + 1 < self.last:
+                self._send_sized(ring, self.pp_rank + 1)
+            tokens, logits = ring.tolist(), None
         finished = self.scheduler.process_result(batch, tokens, logits)
         if self.feeder is not None:
             self.feeder.answered(finished)
@@ -209,12 +221,14 @@ class StageLoop:
             ms=(time.perf_counter() - start) * 1e3,
             requests=[r.rid for r in batch.reqs],
             extend_tokens=batch.num_tokens,
-            prefix_tokens=sum(len(r.prefix_indices) for r in batch.reqs) if batch.kind == "prefill" else 0,
+            prefix_tokens=batch.prefix_tokens,
             acks_write=batch.acks[0],
             acks_load=batch.acks[1],
             relay_sends=len(self.sync.work_list),
+            relay_sent=self.sync.relay_sends_issued - self._relay_mark,
             **self.scheduler.cache.observe(),
         )
+        self._relay_mark = self.sync.relay_sends_issued
         self.records.append(record)
         if self.trace is not None:
             self.trace.write(record)

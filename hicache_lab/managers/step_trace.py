@@ -34,6 +34,8 @@ class StepRecord:
     device_free: int
     host_free: int
     relay_sends: int = 0  # relay send handles this rank still holds (grows without bound when reaped by polling)
+    host_write_tokens: int = 0  # device -> host tokens whose write-through started in this step
+    relay_sent: int = 0  # relay sends this rank issued in this step: with the drain, relay_sends <= relay_sent
 
 
 def consensus_values(record: StepRecord) -> dict[str, int]:

@@ -74,7 +74,7 @@ class BasePrefixCache(ABC):
 
     * `lock_ref > 0` => not evictable; a lock on a node protects its whole path to the root;
     * a caller that uses the slots a match returned holds a lock on the match's last node until it is done
-      (`lock_match` takes one over, `cache_finished_req` releases it);
+      (`lock_match` takes one over, `cache_unfinished_req` moves it, `cache_finished_req` releases it);
     * `evict(0)` is always safe; `evict(n)` frees at least `n` device slots when unlocked nodes allow;
     * identical calls in identical order give identical trees (`tree.digest()`) on every rank: no wall time,
       no randomness, no rank-local observation enters a decision without an agreement;
@@ -88,9 +88,10 @@ class BasePrefixCache(ABC):
         host-only tail beyond it. Marks the matched nodes as used (LRU)."""
 
     @abstractmethod
-    def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
+    def insert(self, key: tuple[int, ...], value: torch.Tensor, inserted_len: int = 0) -> int:
         """Insert a page-aligned key with its device slots; returns how many leading tokens the tree already held
-        on the device (the caller frees its own copies of those)."""
+        on the device (the caller frees its own copies of those). Only nodes ending beyond `inserted_len` count a
+        hit (a request's own earlier insert counted the rest, as SGLang 0.5.23)."""
 
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
@@ -116,14 +117,46 @@ class BasePrefixCache(ABC):
         on the node a load back ends at."""
 
     @abstractmethod
-    def alloc_device(self, num_tokens: int) -> torch.Tensor:
-        """Device slots for `num_tokens` (whole pages), evicting if needed; PoolExhaustedError if impossible."""
+    def alloc_device(self, num_tokens: int, demand: int | None = None) -> torch.Tensor:
+        """Device slots for `num_tokens` (whole pages). First evicts until `demand` tokens are free (default
+        `num_tokens`; SGLang's paged allocator asks a page more per request), then allocates;
+        PoolExhaustedError if impossible."""
 
     @abstractmethod
-    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
+    def evict_to_free(self, num_tokens: int) -> bool:
+        """Evict until `num_tokens` device slots are free, if unlocked nodes allow (SGLang's
+        `evict_to_free_tokens`); whether they are."""
+
+    @abstractmethod
+    def free_request(self, slots: torch.Tensor, prefix_len: int, last_node) -> None:
+        """A request leaves without inserting (a retraction): free its slots beyond the `prefix_len` the tree
+        holds, release its lock on `last_node`."""
+
+    @abstractmethod
+    def cache_unfinished_req(
+        self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node, inserted_len: int
+    ) -> tuple[torch.Tensor, object]:
+        """A running request's KV so far goes into the tree (after its prefill or a chunk: SGLang's
+        `checkpoint_kv_cache`). `tokens` are its whole pages computed so far, `slots` its slots for them (its
+        `prefix_len` cached ones first). The request's copies of tokens the tree already held are freed; its lock
+        moves from `last_node` to the node the insert ended on. Returns the tree's slots for `tokens` (the
+        request's row takes them over) and that node."""
+
+    @abstractmethod
+    def cache_finished_req(
+        self,
+        tokens: tuple[int, ...],
+        slots: torch.Tensor,
+        prefix_len: int,
+        last_node,
+        inserted_len: int = 0,
+        prompt_len: int = 0,
+    ) -> int:
         """A request is done: insert its whole pages, free the slots the tree already held and the unused tail,
-        release its lock on `last_node`. Returns how many leading tokens the tree already held on either tier
-        (SGLang's `InsertResult.prefix_len`: a host-only node on the path takes the request's slots)."""
+        release its lock on `last_node`. With `prompt_len`, the leaf is also split at the prompt's last whole
+        page (SGLang 0.5.23: eviction can then drop the answer and keep the prompt). Returns how many leading
+        tokens the tree already held on either tier (SGLang's `InsertResult.prefix_len`: a host-only node on the
+        path takes the request's slots)."""
 
     @abstractmethod
     def flush(self) -> None:

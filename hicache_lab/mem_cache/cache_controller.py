@@ -61,6 +61,7 @@ class HiCacheController:
         self.load_queue: list[tuple[torch.Tensor, torch.Tensor, int]] = []
         self.copy_check = CopyCheck(enabled=check_copies)
         self.copy_checksum = copy_checksum
+        self.write_tokens_started = 0  # device -> host tokens of every write started so far
 
     def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor) -> CopyJob:
         """The copy between the pools, layer by layer; until it is done its destination holds poison."""
@@ -90,6 +91,7 @@ class HiCacheController:
         """Start every queued write as one copy (SGLang's `start_writing`)."""
         if self.write_queue:
             self.ack_write_queue.append(self._submit("write", self.write_queue))
+            self.write_tokens_started += sum(len(d) for _, d, _ in self.write_queue)
             self.write_queue = []
 
     def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:

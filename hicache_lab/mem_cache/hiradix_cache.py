@@ -49,13 +49,19 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
         self.ready = (0, 0)  # this rank's own view: leading (write, load) acks finished at the last check
+        self._observed_writes = 0  # write tokens started as of the last step record
 
     # -- insertion and write-through -----------------------------------------------------------------
 
-    def _insert(self, key: tuple[int, ...], value: torch.Tensor) -> InsertResult:
+    def _insert(self, key: tuple[int, ...], value: torch.Tensor, inserted_len: int = 0) -> InsertResult:
+        """Insert; every node on the path ending beyond `inserted_len` counts a hit (SGLang 0.5.23: the nodes a
+        request inserted before were counted then)."""
         result = self.tree.insert(key, value)
+        end = 0
         for node in result.touched:
-            self._inc_hit_count(node)
+            end += len(node.key)
+            if end > inserted_len:
+                self._inc_hit_count(node)
         return result
 
     def _inc_hit_count(self, node: TreeNode) -> None:
@@ -129,8 +135,9 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def check_hicache_events(self) -> tuple[int, int]:
         """Every step: wait for the previous step's relay sends (SGLang's `_drain_async_work`, #28916), start
-        the writes still queued, agree in one collective how many leading write, load (and backup) acks every
-        rank consumes (only PP rank 0's polls count with the PP fix), then consume exactly that many."""
+        the writes still queued, agree in one collective how many leading write, load (and, with storage, hit
+        query and backup) acks every rank consumes (only PP rank 0's polls count with the PP fix), then consume
+        exactly that many."""
         self.sync.drain_async_work()
         self.flush_pending_backups()
         self.ready = (
@@ -139,6 +146,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         )
         local = {"write": self.ready[0], "load": self.ready[1]}
         if self.storage is not None:
+            local["prefetch_hit"] = self.storage.queries_done()
             local["backup"] = self.storage.backups_done()
         if not self.sync.polls_locally():
             local = dict.fromkeys(local, 0)
@@ -146,6 +154,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self._consume_writes(agreed["write"])
         self.loading_check(agreed["load"])
         if self.storage is not None:
+            self.storage.take_queries(agreed["prefetch_hit"], self.evict_host)
             for node in self.storage.release_backups(agreed["backup"]):
                 self.tree.release_host(node)
         return agreed["write"], agreed["load"]
@@ -161,8 +170,9 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
     # -- storage -------------------------------------------------------------------------------------
 
     def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
-        """Worth it (at least `prefetch_threshold` tokens beyond what the tree holds): the tier reserves host
-        slots and starts the fetch; the anchor it hangs below stays locked and protected until it ends."""
+        """Worth it (at least `prefetch_threshold` tokens beyond what the tree holds, below a node with a host
+        copy, as SGLang's `_prefetch_kvcache` asks): the tier starts the fetch; the anchor the pages will hang
+        below keeps its host copy (host-protected, not locked: the device may evict it) until it ends."""
         if self.storage is None:
             return
         ps = self.cfg.page_size
@@ -170,11 +180,10 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         match = self.match_prefix(key)
         anchor = match.last_host_node if match.host_hit_length else match.last_device_node
         held = len(match.device_indices) + match.host_hit_length
-        if len(key) - held >= self.cfg.prefetch_threshold and self.storage.prefetch(
-            rid, anchor, key[held:], self.evict_host
-        ):
+        if anchor is not self.tree.root and not anchor.backuped:
+            return  # storage is written from the host: nothing below an unbacked node can be there
+        if len(key) - held >= self.cfg.prefetch_threshold and self.storage.prefetch(rid, anchor, key[held:]):
             self.tree.protect_host(anchor)
-            self.inc_lock_ref(anchor)
 
     def check_prefetch_progress(self, rid: int) -> int | None:
         """None while request `rid`'s prefetch must still run (agreed); else the tokens it inserted: the pages
@@ -188,13 +197,13 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             return 0
         op, pages = taken
         n = pages * self.cfg.page_size
-        inserted = self.tree.insert_host(op.anchor, op.tokens[:n], op.host_slots[:n])
-        unused = torch.ones(len(op.host_slots), dtype=torch.bool)
-        unused[inserted] = False
-        if unused.any():
-            self.host_alloc.free(op.host_slots[unused])
+        if op.host_slots is not None:
+            inserted = self.tree.insert_host(op.anchor, op.tokens[:n], op.host_slots[:n])
+            unused = torch.ones(len(op.host_slots), dtype=torch.bool)
+            unused[inserted] = False
+            if unused.any():
+                self.host_alloc.free(op.host_slots[unused])
         self.tree.release_host(op.anchor)
-        self.dec_lock_ref(op.anchor)
         return n
 
     def flush(self) -> None:
@@ -337,6 +346,11 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def host_free(self) -> int:
         return self.host_alloc.available_size()
+
+    def observe(self) -> dict:
+        started = self.controller.write_tokens_started
+        written, self._observed_writes = started - self._observed_writes, started
+        return {**super().observe(), "host_write_tokens": written}
 
     def copy_check(self):
         return self.controller.copy_check

@@ -31,10 +31,10 @@ class RadixCache(BasePrefixCache):
     def match_prefix(self, key: tuple[int, ...]) -> MatchResult:
         return self.tree.match_prefix(key)
 
-    def insert(self, key: tuple[int, ...], value: torch.Tensor) -> int:
-        return self._insert(key, value).prefix_len
+    def insert(self, key: tuple[int, ...], value: torch.Tensor, inserted_len: int = 0) -> int:
+        return self._insert(key, value, inserted_len).prefix_len
 
-    def _insert(self, key: tuple[int, ...], value: torch.Tensor) -> InsertResult:
+    def _insert(self, key: tuple[int, ...], value: torch.Tensor, inserted_len: int = 0) -> InsertResult:
         return self.tree.insert(key, value)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -49,13 +49,32 @@ class RadixCache(BasePrefixCache):
     def lock_match(self, match: MatchResult) -> tuple[torch.Tensor, TreeNode]:
         return match.device_indices, match.last_device_node
 
-    def cache_finished_req(self, tokens: tuple[int, ...], slots: torch.Tensor, prefix_len: int, last_node) -> int:
-        """`tokens` are the sequence's whole pages, `slots` every slot the request holds (its `prefix_len`
-        cached ones first)."""
-        aligned = len(tokens)
-        inserted = self._insert(tokens, slots[:aligned])
+    def _insert_req(self, tokens, slots, prefix_len: int, inserted_len: int) -> InsertResult:
+        """Insert a request's whole pages `tokens` (its `slots` for them first, `prefix_len` cached ones leading);
+        free its copies of the tokens the tree already held beyond those."""
+        inserted = self._insert(tokens, slots[: len(tokens)], inserted_len)
         if inserted.prefix_len > prefix_len:
             self.device_alloc.free(slots[prefix_len : inserted.prefix_len])
+        return inserted
+
+    def cache_unfinished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int):
+        inserted = self._insert_req(tokens, slots, prefix_len, inserted_len)
+        node = inserted.touched[-1] if inserted.touched else self.tree.root
+        self.inc_lock_ref(node)
+        self.dec_lock_ref(last_node)
+        return self.tree.path_slots(node), node
+
+    def free_request(self, slots: torch.Tensor, prefix_len: int, last_node) -> None:
+        if len(slots) > prefix_len:
+            self.device_alloc.free(slots[prefix_len:])
+        self.dec_lock_ref(last_node)
+
+    def cache_finished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int = 0, prompt_len: int = 0):
+        aligned = len(tokens)
+        inserted = self._insert_req(tokens, slots, prefix_len, inserted_len)
+        prompt = prompt_len // self.cfg.page_size * self.cfg.page_size
+        if 0 < prompt < aligned:  # the answer's own leaf; nothing to free, nothing counts
+            self._insert(tokens[:prompt], slots[:prompt], prompt)
         if len(slots) > aligned:
             self.device_alloc.free(slots[aligned:])
         self.dec_lock_ref(last_node)
@@ -94,11 +113,15 @@ class RadixCache(BasePrefixCache):
                 heapq.heappush(leaves, parent)
         return freed
 
-    def alloc_device(self, num_tokens: int) -> torch.Tensor:
+    def evict_to_free(self, num_tokens: int) -> bool:
+        shortfall = num_tokens - self.device_alloc.available_size()
+        if shortfall > 0:
+            self.evict(shortfall)
+        return self.device_alloc.available_size() >= num_tokens
+
+    def alloc_device(self, num_tokens: int, demand: int | None = None) -> torch.Tensor:
+        self.evict_to_free(max(num_tokens, demand or 0))
         slots = self.device_alloc.alloc(num_tokens)
-        if slots is None:
-            self.evict(num_tokens - self.device_alloc.available_size())
-            slots = self.device_alloc.alloc(num_tokens)
         if slots is None:
             raise PoolExhaustedError(
                 f"device pool: {num_tokens} tokens asked, {self.device_alloc.available_size()} free and "

@@ -263,6 +263,14 @@ class RadixTree:
         """Unprotected host-only leaves: host eviction candidates."""
         return [n for n in self.nodes() if n.evicted and not n.children and n.host_ref == 0]
 
+    def path_slots(self, node: TreeNode) -> torch.Tensor:
+        """The device slots of the path from the root to `node` (every node on it on the device)."""
+        chain = []
+        while node is not self.root:
+            chain.append(node.value)
+            node = node.parent
+        return torch.cat(chain[::-1]) if chain else self.root.value
+
     def evictable_size(self) -> int:
         return sum(len(n.value) for n in self.nodes() if not n.evicted and n.lock_ref == 0)
 

@@ -104,16 +104,45 @@ class RecordingCache:
         self._record("evict_host", {"tokens": num_tokens}, freed)
         return freed
 
-    def alloc_device(self, num_tokens: int) -> torch.Tensor:
-        slots = self._cache.alloc_device(num_tokens)
-        self._record("alloc_device", {"tokens": num_tokens}, slots.tolist())
+    def evict_to_free(self, num_tokens: int) -> bool:
+        ok = self._cache.evict_to_free(num_tokens)
+        self._record("evict_to_free", {"tokens": num_tokens}, ok)
+        return ok
+
+    def alloc_device(self, num_tokens: int, demand: int | None = None) -> torch.Tensor:
+        slots = self._cache.alloc_device(num_tokens, demand)
+        self._record("alloc_device", {"tokens": num_tokens, "demand": demand}, slots.tolist())
         return slots
 
-    def cache_finished_req(self, tokens, slots, prefix_len: int, last_node) -> int:
-        args = {"tokens": list(tokens), "slots": slots.tolist(), "prefix_len": prefix_len, "node": last_node.id}
-        inserted = self._cache.cache_finished_req(tokens, slots, prefix_len, last_node)
-        self._record("cache_finished_req", args, inserted)
-        return inserted
+    def free_request(self, slots, prefix_len: int, last_node) -> None:
+        args = {"slots": slots.tolist(), "prefix_len": prefix_len, "node": last_node.id}
+        self._cache.free_request(slots, prefix_len, last_node)
+        self._record("free_request", args)
+
+    def cache_unfinished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int):
+        args = {
+            "tokens": list(tokens),
+            "slots": slots.tolist(),
+            "prefix_len": prefix_len,
+            "node": last_node.id,
+            "inserted_len": inserted_len,
+        }
+        tree_slots, node = self._cache.cache_unfinished_req(tokens, slots, prefix_len, last_node, inserted_len)
+        self._record("cache_unfinished_req", args, {"prefix": tree_slots.tolist(), "node": node.id})
+        return tree_slots, node
+
+    def cache_finished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int = 0, prompt_len: int = 0):
+        args = {
+            "tokens": list(tokens),
+            "slots": slots.tolist(),
+            "prefix_len": prefix_len,
+            "node": last_node.id,
+            "inserted_len": inserted_len,
+            "prompt_len": prompt_len,
+        }
+        matched = self._cache.cache_finished_req(tokens, slots, prefix_len, last_node, inserted_len, prompt_len)
+        self._record("cache_finished_req", args, matched)
+        return matched
 
     def start_loading(self):
         event = self._cache.start_loading()

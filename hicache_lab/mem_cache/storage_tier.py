@@ -3,27 +3,31 @@
 * **Backup** - once a node's host write is acknowledged, its pages go to storage. The host copy is protected
   (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. CP
   peers hold identical KV, so page i is written by CP rank i mod cp only; the others skip it.
-* **Prefetch** - when a request arrives, host slots are reserved for the part of its prompt the tree does
-  not hold (the cache locks the node they hang below, its anchor). The prefetch worker asks storage how many
-  leading pages it holds, agrees on the MIN with its peers over its own gloo groups (below the threshold:
-  revoked), and reads them in batches of 128. At admission (on the scheduler's own groups) `prefetch_ready`
-  agrees whether to stop waiting (MAX of "not ready"), `take_prefetch` how many pages arrived (MIN).
+* **Prefetch** (SGLang 0.5.23's flow) - when a request arrives, the prefetch thread asks storage how many leading
+  pages of the part of its prompt the tree does not hold it has, and agrees on the MIN with its peers on its own
+  gloo groups, across stages too (a background thread is not held by the pipeline). The scheduler takes the
+  answers in issue order, by a count agreed in the step's check (SGLang's `prefetch_hit_queue`): below the
+  threshold the prefetch is revoked, else host slots are allocated for the hit (evicting from the host; a
+  shorter prefix when the host cannot hold it all) and the pages are read in batches of 128. At admission
+  (`prefetch_ready`, on the scheduler's groups) PP rank 0 decides whether to stop waiting (MAX over its
+  attention peers, relayed down the pipeline), and `take_prefetch` how many pages arrived (MIN).
 
-The tier never changes the tree: `HiRadixCache` protects what a backup reads and locks a prefetch's anchor,
-inserts the pages that arrived, and releases both when the tier hands the operation back.
+The tier never changes the tree: `HiRadixCache` protects the host copy of a prefetch's anchor and of what a
+backup reads, inserts the pages that arrived, and releases both when the tier hands the operation back.
 
 Two ways to run the workers, chosen by the latency model:
 
-* `virtual` - step-driven, deterministic: the hit query runs when the prefetch is issued; every batch read
-  and backup completes a seeded number of steps later (drawn per rank), really moving bytes then.
-* `real` - a backup thread and a prefetch thread, as in SGLang; the prefetch thread runs the hit-count
-  agreement on its own groups, which is the point of the CP fix's `_create_prefetch_sync_groups`.
+* `virtual` - step-driven, deterministic: a hit query counts as answered a seeded number of steps after it was
+  issued (its thread answers at once; the scheduler waits for it if not), every batch read and backup completes
+  a seeded number of steps later (drawn per rank), really moving bytes then; `timeout` counts steps.
+* `real` - a backup thread and a read thread besides the query thread, as in SGLang; `timeout` is wall time.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -53,10 +57,14 @@ class PrefetchOp:
     anchor: TreeNode  # the deepest matched node: fetched pages hang below it
     tokens: tuple[int, ...]  # page-aligned prompt tokens beyond the anchor
     hashes: list[str]
-    host_slots: torch.Tensor
-    created: int
-    hits: int | None = None  # agreed leading pages in storage (0: revoked); None until the query ran
+    created: int  # the step it was issued
+    query_due: int = 0  # virtual: the step its hit query counts as answered
+    found: int = 0  # leading pages storage holds, agreed by the query thread
+    queried: threading.Event = field(default_factory=threading.Event)
+    host_slots: torch.Tensor | None = None  # allocated once the hit is known, sized to it
+    hits: int | None = None  # pages to read (0: revoked); None until the scheduler took the query's answer
     due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read completes
+    waiting_since: float | None = None  # real `timeout`: when admission first had to wait for it
     arrived: int = 0  # leading pages read into host slots
     failed: bool = False  # a page could not be read: no more arrive
     terminated: bool = False  # the scheduler took what arrived: the worker must not write any more
@@ -66,7 +74,8 @@ class PrefetchOp:
 @dataclass
 class StorageStats:
     prefetches: int = 0
-    revoked: int = 0
+    revoked: int = 0  # storage held less than the threshold
+    no_host_room: int = 0  # the host could not hold the threshold
     rate_limited: int = 0
     pages_prefetched: int = 0
     pages_backed_up: int = 0
@@ -92,22 +101,27 @@ class StorageTier:
         self.rng = np.random.default_rng([seed, rank, 3])
         self.step = 0
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
-        self.prefetches: dict[int, PrefetchOp] = {}  # by request id
+        self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until admission takes them
+        self.queries: list[PrefetchOp] = []  # FIFO of hit queries whose answer the scheduler has not taken
         self.stats = StorageStats()
-        # SGLang's limit: prefetches in flight may hold at most 80% of what the host pool has beyond the device's
-        self.prefetch_capacity = int(0.8 * (host_alloc.size - cfg.max_total_tokens))
+        # SGLang 0.5.23's limit: prefetches in flight may ask for at most half of the host pool
+        self.prefetch_capacity = int(0.5 * host_alloc.size)
         self.error: BaseException | None = None  # from a worker thread, raised on the scheduler's next call
-        self.threads: list[threading.Thread] = []
-        if cfg.latency == "real":
-            self.queues = {"backup": queue.Queue(), "prefetch": queue.Queue()}
-            for name, work in (("backup", self._write), ("prefetch", self._fetch)):
-                thread = threading.Thread(target=self._worker, args=(self.queues[name], work), daemon=True)
-                thread.start()
-                self.threads.append(thread)
+        workers = {"query": self._query} | (
+            {"backup": self._write, "read": self._read} if cfg.latency == "real" else {}
+        )
+        self.queues = {name: queue.Queue() for name in workers}
+        self.threads = [
+            threading.Thread(target=self._worker, args=(self.queues[name], work), daemon=True, name=f"storage-{name}")
+            for name, work in workers.items()
+        ]
+        for thread in self.threads:
+            thread.start()
 
     @property
     def threaded(self) -> bool:
-        return bool(self.threads)
+        """Whether reads and backups run on threads (real latency), not at due steps."""
+        return "read" in self.queues
 
     def _worker(self, jobs: queue.Queue, work) -> None:
         while (op := jobs.get()) is not None:
@@ -164,48 +178,74 @@ class StorageTier:
 
     def busy(self) -> bool:
         """Backups or prefetches in flight (they hold host protection, locks or requests)."""
-        return bool(self.prefetches or self.backups)
+        return bool(self.prefetches or self.backups or self.queries)
 
     # -- prefetch ----------------------------------------------------------------------------------
 
-    def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...], make_room) -> bool:
-        """Start fetching `tokens` (page-aligned, following `anchor`): reserve host slots, hand the rest to the
-        prefetch worker. Skipped (False) while prefetches in flight would exceed the rate limit, or without room."""
-        in_flight = sum(len(op.tokens) for op in self.prefetches.values())
-        if in_flight + len(tokens) > self.prefetch_capacity:
+    def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...]) -> bool:
+        """Start fetching `tokens` (page-aligned, following `anchor`): the query thread asks storage. Skipped
+        (False) while prefetches in flight ask for half the host pool (SGLang's rate limit)."""
+        if sum(len(op.tokens) for op in self.prefetches.values()) >= self.prefetch_capacity:
             self.stats.rate_limited += 1
             return False
-        slots = self.host_alloc.alloc(len(tokens))
-        if slots is None:
-            make_room(len(tokens))
-            slots = self.host_alloc.alloc(len(tokens))
-        if slots is None:
-            return False
         hashes = page_hashes(tokens, self.cfg.page_size, anchor.hashes[-1] if anchor.hashes else "")
-        op = PrefetchOp(anchor, tokens, hashes, slots, self.step)
+        op = PrefetchOp(anchor, tokens, hashes, self.step)
+        op.query_due = self._due(self.queries[-1].query_due if self.queries else 0)
         self.prefetches[rid] = op
+        self.queries.append(op)
         self.stats.prefetches += 1
-        if self.threaded:
-            self.queues["prefetch"].put(op)
-            return True
-        self._query(op)
-        previous = 0
-        for _ in range(0, op.hits, STORAGE_BATCH_PAGES):
-            previous = self._due(previous)
-            op.due.append(previous)
+        self.queues["query"].put(op)
         return True
 
     def _query(self, op: PrefetchOp) -> None:
-        """How many leading pages storage holds, agreed (MIN) over the prefetch groups; too few: revoked."""
-        (hits,) = self.sync.agree_storage([self.backend.batch_exists(op.hashes)])
-        if hits * self.cfg.page_size < self.cfg.prefetch_threshold:
-            hits = 0
-            self.stats.revoked += 1
-        op.hits = hits
+        """The query thread: leading pages in storage, agreed (MIN) over the prefetch groups."""
+        (op.found,) = self.sync.agree_storage([self.backend.batch_exists(op.hashes)])
+        op.queried.set()
 
-    def _fetch(self, op: PrefetchOp) -> None:
-        """The prefetch thread: query, then read batch after batch until done or terminated."""
-        self._query(op)
+    def queries_done(self) -> int:
+        """Answered hit queries at the head of the queue (this rank's own view)."""
+        self._check_worker()
+        done = 0
+        for op in self.queries:
+            if not (op.query_due <= self.step if not self.threaded else op.queried.is_set()):
+                break
+            done += 1
+        return done
+
+    def take_queries(self, count: int, make_room) -> None:
+        """The agreed `count` answers, in issue order (waiting for this rank's own where needed): a prefetch
+        already ended, or whose hit is below the threshold, is revoked; the others get host slots for their
+        hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
+        the threshold) and start reading."""
+        ps = self.cfg.page_size
+        for op in self.queries[:count]:
+            while not op.queried.wait(0.05):
+                self._check_worker()
+            pages = op.found
+            if op.terminated or pages * ps < self.cfg.prefetch_threshold:
+                self.stats.revoked += not op.terminated
+                op.hits = 0
+                continue
+            if self.host_alloc.available_size() < pages * ps:
+                make_room(pages * ps - self.host_alloc.available_size())
+            pages = min(pages, self.host_alloc.available_size() // ps)
+            if pages * ps < self.cfg.prefetch_threshold:
+                self.stats.no_host_room += 1
+                op.hits = 0
+                continue
+            op.host_slots, op.hits = self.host_alloc.alloc(pages * ps), pages
+            if self.threaded:
+                self.queues["read"].put(op)
+            else:
+                previous = self.step
+                for _ in range(0, pages, STORAGE_BATCH_PAGES):
+                    previous = self._due(previous)
+                    op.due.append(previous)
+                self._read_due(op)
+        self.queries = self.queries[count:]
+
+    def _read(self, op: PrefetchOp) -> None:
+        """The read thread: batch after batch until done or terminated."""
         while op.arrived < op.hits and not op.failed:
             if not self._read_batch(op):
                 return
@@ -222,9 +262,21 @@ class StorageTier:
             op.failed = read < batch.stop - batch.start  # a missing or damaged page ends the prefetch there
         return True
 
+    def _timed_out(self, op: PrefetchOp) -> bool:
+        """`timeout`: steps since issue under virtual latency; under real latency wall time since admission
+        first waited for it, past SGLang 0.5.23's 1 s plus 0.25 s per 1,024 tokens asked."""
+        if not self.threaded:
+            return self.step - op.created >= self.cfg.prefetch_timeout_steps
+        now = time.monotonic()
+        if op.waiting_since is None:
+            op.waiting_since = now
+        limit = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * len(op.tokens) / 1024
+        return now - op.waiting_since > limit
+
     def prefetch_ready(self, rid: int) -> bool:
-        """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: no rank stops
-        while another, by its policy, still waits."""
+        """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: PP rank 0 and its
+        attention peers decide (MAX of "not ready": no rank stops while another still waits), later stages
+        take their verdict; their own clocks and polls never decide."""
         self._check_worker()
         op = self.prefetches.get(rid)
         if op is None:
@@ -235,7 +287,7 @@ class StorageTier:
         elif self.cfg.prefetch_policy == "wait_complete":
             ready = complete
         else:
-            ready = complete or self.step - op.created >= self.cfg.prefetch_timeout_steps
+            ready = complete or self._timed_out(op)
         (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
         return not not_ready
 
@@ -267,6 +319,7 @@ class StorageTier:
         return {
             "prefetches": s.prefetches,
             "revoked": s.revoked,
+            "no_host_room": s.no_host_room,
             "rate_limited": s.rate_limited,
             "pages_prefetched": s.pages_prefetched,
             "pages_backed_up": s.pages_backed_up,
@@ -283,18 +336,28 @@ class StorageTier:
             if not op.done.is_set() and op.due <= step:
                 self._write(op)
         for op in self.prefetches.values():
-            while op.arrived < op.hits and not op.failed and op.due[op.arrived // STORAGE_BATCH_PAGES] <= step:
-                self._read_batch(op)
+            self._read_due(op)
+
+    def _read_due(self, op: PrefetchOp) -> None:
+        """Virtual latency: read the batches of `op` due by now."""
+        while (
+            op.hits
+            and op.arrived < op.hits
+            and not op.failed
+            and op.due[op.arrived // STORAGE_BATCH_PAGES] <= self.step
+        ):
+            self._read_batch(op)
 
     def finish_all(self) -> list[TreeNode]:
-        """Between rounds (no request waiting): complete every backup; their nodes."""
+        """Between rounds (no request waiting): take the answers of ended prefetches' queries, complete every
+        backup; the backups' nodes."""
         assert not self.prefetches, "prefetches outlive their requests"
+        self.take_queries(len(self.queries), make_room=None)
         return self.release_backups(len(self.backups))
 
     def close(self) -> None:
-        if self.threaded:
-            for jobs in self.queues.values():
-                jobs.put(None)
-            for thread in self.threads:
-                thread.join()
+        for jobs in self.queues.values():
+            jobs.put(None)
+        for thread in self.threads:
+            thread.join()
         self.backend.close()

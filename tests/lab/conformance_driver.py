@@ -1,9 +1,11 @@
 """Drives one rank's cache through the operations of the scheduler's contract, as `Scheduler` does, recording
 them (mem_cache/recording.py), so that lab/conformance.py can replay them through SGLang's cache. The operations
-come from a test: `("request", conversation, pages, keep)`, `("finish", i)`, `("step",)`, `("evict", n)`,
-`("evict_host", n)`. A request continues one of a few conversations by `pages` new pages (a conversation longer
-than half the device pool starts over), so the tree branches, leaves compete for eviction, and a conversation
-taken up again finds its prefix on the device, on the host only, or gone."""
+come from a test: `("request", conversation, pages, keep)`, `("decode", i)`, `("finish", i)`, `("retract", i)`,
+`("step",)`, `("evict", n)`, `("evict_host", n)`. A request goes into the tree after its prefill and again when
+it finishes, its answer a page per `decode`; a retracted one leaves without inserting. A request continues one
+of a few conversations by `pages` new pages (a conversation longer than half the device pool starts over), so
+the tree branches, leaves compete for eviction, and a conversation taken up again finds its prefix on the
+device, on the host only, or gone."""
 
 from __future__ import annotations
 
@@ -37,12 +39,12 @@ def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: f
 
 def random_ops(rng, count: int) -> list[tuple]:
     """`count` operations drawn as the tests' strategy draws them."""
-    kinds = ["request", "request", "finish", "step", "step", "evict", "evict_host"]
+    kinds = ["request", "request", "decode", "finish", "retract", "step", "step", "evict", "evict_host"]
     ops = []
     for kind in rng.choices(kinds, k=count):
         if kind == "request":
             ops.append((kind, rng.randint(0, 5), rng.randint(1, 8), rng.random() < 0.5))
-        elif kind == "finish":
+        elif kind in ("decode", "finish", "retract"):
             ops.append((kind, rng.randint(0, 7)))
         elif kind == "step":
             ops.append((kind,))
@@ -70,7 +72,8 @@ class Driver:
         return start + ext
 
     def request(self, conversation: int, pages: int, keep: bool) -> None:
-        """Admit as the scheduler does: match all but the last page, lock, check room, load back, allocate."""
+        """Admit as the scheduler does (match all but the last page, lock, check room, load back, allocate),
+        then insert the prompt as its prefill's result does."""
         c, key = self.cache, self.key(conversation, pages)
         match = c.match_prefix(key[: len(key) - self.ps])
         c.inc_lock_ref(match.last_device_node)
@@ -79,17 +82,36 @@ class Driver:
             return
         prefix, last = c.lock_match(match)
         c.start_loading()
-        own = c.alloc_device(len(key) - len(prefix))
+        slots = torch.cat([prefix, c.alloc_device(len(key) - len(prefix))])
+        tree_slots, last = c.cache_unfinished_req(key, slots, len(prefix), last, 0)
         self.conversations[conversation] = key
-        self.open.append((key, torch.cat([prefix, own]), len(prefix), last))
+        self.open.append(
+            {"conversation": conversation, "key": key, "prompt": len(key), "slots": tree_slots, "last": last}
+        )
         if not keep:
             self.finish(len(self.open) - 1)
 
+    def decode(self, i: int) -> None:
+        """One page of answer for an open request (the slots a decode step takes, evicting first)."""
+        if self.open and self.cache.evict_to_free(self.ps):
+            req = self.open[i % len(self.open)]
+            page = self.cache.alloc_device(self.ps, self.ps * len(self.open))
+            req["slots"] = torch.cat([req["slots"], page])
+            req["key"] += tuple(range(self.fresh, self.fresh + self.ps))
+            self.fresh += self.ps
+            self.conversations[req["conversation"]] = req["key"]
+
     def finish(self, i: int) -> None:
         if self.open:
-            key, slots, prefix_len, last = self.open.pop(i % len(self.open))
-            self.cache.cache_finished_req(key, slots, prefix_len, last)
+            req = self.open.pop(i % len(self.open))
+            prompt = req["prompt"]
+            self.cache.cache_finished_req(req["key"], req["slots"], prompt, req["last"], prompt, prompt)
             self.cache.flush_pending_backups()
+
+    def retract(self, i: int) -> None:
+        if self.open:
+            req = self.open.pop(i % len(self.open))
+            self.cache.free_request(req["slots"], req["prompt"], req["last"])
 
     def step(self) -> None:
         self.steps += 1

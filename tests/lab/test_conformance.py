@@ -21,6 +21,7 @@ from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.lab.conformance import replay
 from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
 from hicache_lab.mem_cache.cache_controller import HiCacheController
+from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
 from hicache_lab.mem_cache.radix_tree import TreeNode
 
 pytestmark = pytest.mark.skipif(
@@ -32,7 +33,9 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("request"), st.integers(0, 5), st.integers(1, 8), st.booleans()),
         st.tuples(st.just("request"), st.integers(0, 5), st.integers(1, 8), st.booleans()),
+        st.tuples(st.just("decode"), st.integers(0, 7)),
         st.tuples(st.just("finish"), st.integers(0, 7)),
+        st.tuples(st.just("retract"), st.integers(0, 7)),
         st.tuples(st.just("step")),
         st.tuples(st.just("step")),
         st.tuples(st.just("evict"), st.integers(1, 32)),
@@ -115,16 +118,27 @@ def _pop_acks_newest_first(self, queue, what, count):  # HiCacheController.pop_a
     return acks
 
 
-@pytest.mark.parametrize("change", ["lru_order", "load_back_threshold", "ack_order"])
+_insert_counting_own_hits = HiRadixCache._insert
+
+
+def _count_own_inserts_again(self, key, value, inserted_len=0):  # HiRadixCache._insert ignoring `inserted_len`
+    return _insert_counting_own_hits(self, key, value, 0)
+
+
+@pytest.mark.parametrize("change", ["lru_order", "load_back_threshold", "ack_order", "own_insert_hits"])
 def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monkeypatch):
     """Each change is one line of the lab: evict by node age instead of last use (radix_tree.TreeNode.__lt__), load
     back from 11 tokens instead of SGLang's 10 (config.CacheConfig.load_back_threshold; the same as `<` made `<=`
-    in HiRadixCache.load_back), consume acks newest first (cache_controller.HiCacheController.pop_acks)."""
+    in HiRadixCache.load_back), consume acks newest first (cache_controller.HiCacheController.pop_acks), count a
+    hit again when a request inserts what its own prefill inserted (SGLang 0.5.18's behaviour, HiRadixCache._insert
+    with `inserted_len` ignored)."""
     overrides = {}
     if change == "lru_order":
         monkeypatch.setattr(TreeNode, "__lt__", _evict_oldest_first)
     elif change == "load_back_threshold":
         overrides["load_back_threshold"] = 11
+    elif change == "own_insert_hits":
+        monkeypatch.setattr(HiRadixCache, "_insert", _count_own_inserts_again)
     else:
         monkeypatch.setattr(HiCacheController, "pop_acks", _pop_acks_newest_first)
     assert seeded_differences(groups, tmp_path, **overrides), f"the {change} change went unnoticed"

@@ -38,6 +38,7 @@ RUNS = {  # name: run flags on top of the small workload (write_through, host 3x
     "flushed_between_rounds": f"{L2} --flush-cache-between-rounds",
     "l1_only": "",
     "pp_2": f"{L2} --pp 2",
+    "chunks_and_retractions": f"{L2} --chunked-prefill-size 16 --output-length 64 --num-rounds 2 --num-clients 8",
 }
 
 
@@ -56,7 +57,8 @@ def test_a_recorded_run_replays_equal_through_sglang(name, tmp_path):
         assert result.equal, "\n".join(map(str, result.differences[:5]))
         lab = [(r.device, r.host) for r in result.lab]
         assert lab == [(r.device, r.host) for r in result.sglang]
-        if rank == 0:  # the recorded answers are what the run reported, round by round
+        if rank == 0 and not summary["scheduling"]["retractions"]:  # the recorded answers are what the run
+            # reported, round by round (a retracted request's second admission is not in the report's hits)
             assert lab == [(r["cached_device"], r["cached_host"]) for r in summary["rounds"]]
 
 
@@ -68,7 +70,7 @@ def test_conform_prints_the_table_and_exits_by_what_it_found(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "every answer and every pool state after every operation equal" in out
     assert "    3        4          0      348             0         348    83.7%       83.7%" in out
-    record(f"{L2} --load-back-threshold 40", tmp_path / "other")
+    record(f"{L2} --load-back-threshold 90", tmp_path / "other")
     assert main(["conform", str(tmp_path / "other")]) == 1
     assert "answers differ" in capsys.readouterr().out
     run(config(WORKLOAD, L2), tmp_path / "unrecorded", verbose=False)

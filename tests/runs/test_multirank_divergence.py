@@ -88,14 +88,20 @@ def test_a_failing_rank_brings_the_world_down_in_seconds(world_config, tmp_path)
     assert summary["elapsed_s"] < cfg.parallel.collective_timeout_s, "the others were stopped, not timed out"
 
 
-def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_config, tmp_path):
-    """#28916: the previous step's relay sends are waited for at every check, so stage 0 holds at most one step's,
-    even with no round barrier; reaped by polling instead (#28902), gloo frees none and they grow every step."""
-    held = {}
+@pytest.mark.parametrize("pp", [2, 3])
+def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_config, tmp_path, pp):
+    """#28916: the previous step's relay sends are waited for at every check, so a stage holds only the current
+    step's (never one of an earlier step), even with no round barrier; reaped by polling instead (#28902), gloo
+    frees none and they grow every step. The summary says the same."""
+    rows, summaries = {}, {}
     for name, disabled in (("fixed", ()), ("polled", ("bounded_drain",))):
-        cfg = world_config(pp=2, disable_fixes=disabled)
+        cfg = world_config(pp=pp, disable_fixes=disabled)
         cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, round_barrier=False))
-        assert run(cfg, tmp_path / name, verbose=False)["completed"]
-        held[name] = [row["relay_sends"] for row in read_trace(tmp_path / name) if row["rank"] == 0]
-    assert max(held["fixed"]) == 1
-    assert held["polled"] == list(range(1, len(held["polled"]) + 1))
+        summaries[name] = run(cfg, tmp_path / name, verbose=False)
+        assert summaries[name]["completed"], summaries[name]["error"]
+        rows[name] = [row for row in read_trace(tmp_path / name) if row["rank"] == 0]
+    fixed, polled = rows["fixed"], rows["polled"]
+    assert all(r["relay_sends"] <= r["relay_sent"] for r in fixed) and max(r["relay_sends"] for r in fixed) == 1
+    assert summaries["fixed"]["scheduling"]["max_older_relay_sends"] == 0
+    assert [r["relay_sends"] for r in polled] == list(range(1, len(polled) + 1))
+    assert summaries["polled"]["scheduling"]["max_older_relay_sends"] == len(polled) - 1
