@@ -81,7 +81,7 @@ class CacheConfig:
     hicache_ratio: float = 2.0  # host pool = ratio x device pool
     hicache_size_gb: float = 0.0  # when > 0, overrides the ratio
     write_policy: str = "write_through"
-    host_layout: str = "layer_first"
+    host_layout: str = "page_first"  # SGLang's default
     load_back_threshold: int = 10
     latency: str = "virtual"
     max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
@@ -92,7 +92,7 @@ class CacheConfig:
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
     mooncake_master: str = ""  # HOST:PORT of a running mooncake_master; empty: the run starts one on 127.0.0.1
     mooncake_metadata_url: str = ""  # its HTTP metadata server, e.g. http://127.0.0.1:8080/metadata
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "timeout"  # SGLang's default
     prefetch_threshold: int = 64  # tokens: shorter storage hits are not worth a prefetch (SGLang: 256)
     prefetch_timeout_steps: int = 4  # `timeout` policy, virtual latency: stop waiting this many steps after issue
     prefetch_timeout_base_s: float = 1.0  # `timeout` policy, real latency: SGLang 0.5.23's prefetch_timeout_base
