@@ -8,7 +8,8 @@ from hicache_lab.entrypoints.launch import run
 def test_a_head_waiting_for_room_held_by_prefetch_anchors_behind_it_does_not_livelock(small_config, tmp_path):
     """Soak case 2 (seed 0 of the first draw): the head of the queue did not fit the device pool while
     prefetches of requests behind it kept their anchors locked; they ended only at their own admission, so
-    the loop idled forever. Nothing runs and the head does not fit: those prefetches end first."""
+    the loop idled forever. SGLang's way closes it: an anchor is only host-protected (the device may evict
+    it), and admission passes over a request still prefetching."""
     cfg = small_config(
         enable_hierarchical_cache=True,
         page_size=2,
