@@ -77,6 +77,7 @@ class StorageStats:
     revoked: int = 0  # storage held less than the threshold
     no_host_room: int = 0  # the host could not hold the threshold
     rate_limited: int = 0
+    cut_short: int = 0  # admission took them before every page arrived (best_effort, or a timeout)
     pages_prefetched: int = 0
     pages_backed_up: int = 0
 
@@ -302,6 +303,7 @@ class StorageTier:
         with op.lock:
             op.terminated = True
         self.stats.pages_prefetched += pages
+        self.stats.cut_short += op.hits is None or (pages < op.hits and not op.failed)
         return op, pages
 
     def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
@@ -321,6 +323,7 @@ class StorageTier:
             "revoked": s.revoked,
             "no_host_room": s.no_host_room,
             "rate_limited": s.rate_limited,
+            "cut_short": s.cut_short,
             "pages_prefetched": s.pages_prefetched,
             "pages_backed_up": s.pages_backed_up,
         }

@@ -4,6 +4,7 @@ peers find each other's pages and agree on what they fetched."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -65,3 +66,17 @@ def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, t
     # wait_complete: what storage holds all arrives; with real threads a backup still in flight when the next
     # round looks is a (rare) miss, so the rate may fall a little short of the virtual single rank's
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit, rel=0.05)
+
+
+def test_a_wall_clock_timeout_decided_by_pp_rank_0_keeps_the_stages_together(world_config, tmp_path):
+    """`timeout` under real latency counts wall time (SGLang 0.5.23: 1 s + 0.25 s per Ki tokens; here 10 ms so
+    that it fires): the stages' clocks differ, so PP rank 0 decides and relays; both stages cut the same
+    prefetches short, take the same pages and agree to the end."""
+    cfg = storage_world(world_config, pp=2)
+    cfg.cache.latency, cfg.cache.prefetch_policy = "real", "timeout"
+    cfg.cache.prefetch_timeout_base_s, cfg.cache.prefetch_timeout_per_ki_token_s = 0.01, 0.0
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"], summary["error"]
+    storage = [json.loads((tmp_path / f"rank{r}.json").read_text())["storage"] for r in (0, 1)]
+    assert storage[0]["cut_short"] == storage[1]["cut_short"] > 0
+    assert storage[0]["pages_prefetched"] == storage[1]["pages_prefetched"] > 0

@@ -22,6 +22,10 @@ from hicache_lab.errors import ConfigError
         (lambda: CacheConfig(latency="instant"), "--latency"),
         (lambda: ModelConfig(hidden_size=60, num_heads=4), "--num-heads"),
         (lambda: WorkloadConfig(num_clients=0), "--num-clients"),
+        (lambda: WorkloadConfig(chunked_prefill_size=0), "or -1 to turn chunking off"),
+        (lambda: WorkloadConfig(max_prefill_tokens=0), "--max-prefill-tokens"),
+        (lambda: ParallelConfig(pp_async_batch_depth=-1), "--pp-async-batch-depth"),
+        (lambda: CacheConfig(prefetch_timeout_base_s=-1), "--prefetch-timeout-base"),
         (lambda: RunConfig(cache=CacheConfig(max_total_tokens=128)), "raise it"),
     ],
 )
