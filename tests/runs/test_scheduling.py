@@ -15,7 +15,12 @@ from hicache_lab.managers.step_trace import read_trace
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
 
-PRESSURE = {"chunked_prefill_size": 16, "output_length": 64, "num_rounds": 2, "num_clients": 8}  # 8 answers of 64 in 256 slots
+PRESSURE = {
+    "chunked_prefill_size": 16,
+    "output_length": 64,
+    "num_rounds": 2,
+    "num_clients": 8,
+}  # 8 answers of 64 in 256 slots
 
 
 def under_pressure(cfg):
