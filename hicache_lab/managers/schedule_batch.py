@@ -26,6 +26,7 @@ class Req:
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     prefix_len: int = 0  # leading tokens of `slots` the tree holds (SGLang's cache_protected_len)
     inserted_len: int = 0  # leading tokens this request already inserted (their hits were counted then)
+    checkpointed: int = 0  # kv_len at its last insert: a chunk computed since is put into the tree
     last_node: TreeNode | None = None  # locked while the request holds slots
     kv_len: int = 0  # tokens whose K/V are in the pool
     extend_end: int = 0  # where the prefill being run ends (a chunk ends before the sequence does)

@@ -123,7 +123,8 @@ class PrefillAdder:
             if result is not None:
                 cache.dec_lock_ref(last)
                 return result
-        req.slots, req.prefix_len, req.kv_len, req.last_node = prefix, len(prefix), len(prefix), last
+        req.slots, req.last_node = prefix, last
+        req.prefix_len = req.kv_len = req.checkpointed = len(prefix)
         if not req.retractions:
             req.cached_device = device_len
             req.cached_storage = min(req.prefetched, len(prefix) - device_len)

@@ -66,7 +66,7 @@ class Scheduler:
         self.mb = iteration % len(self.running_mbs)
         self.cache.advance(iteration)
         acks = self.cache.check_hicache_events()
-        if self.chunked_req is not None and self.chunked_req.kv_len > self.chunked_req.prefix_len:
+        if self.chunked_req is not None and self.chunked_req.kv_len > self.chunked_req.checkpointed:
             self._cache_unfinished_req(self.chunked_req)  # SGLang's stash_chunked_request
         if batch := self._get_new_batch_prefill():
             result = Batch("prefill", batch, self._prefill(batch), acks)
@@ -211,6 +211,7 @@ class Scheduler:
         self.cache.evict_to_free(remaining * RETRACT_DECODE_STEPS)
         self.running_mbs[self.mb].remove(req)
         req.slots, req.prefix_len, req.inserted_len, req.kv_len, req.last_node = req.slots[:0], 0, 0, 0, None
+        req.checkpointed = 0
         req.retractions += 1
         self.stats["retractions"] += 1
         self.add([req])
@@ -242,7 +243,7 @@ class Scheduler:
             tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len
         )
         req.slots = torch.cat([slots, req.slots[aligned:]])
-        req.prefix_len = aligned
+        req.prefix_len, req.checkpointed = aligned, req.kv_len
         req.inserted_len = max(req.inserted_len, aligned)
 
     def _cache_finished_req(self, req: Req) -> None:
