@@ -29,6 +29,11 @@ def _state(cache: BasePrefixCache) -> list[int]:
     return [cache.device_alloc.available_size(), cache.host_free(), cache.tree.evictable_size()]
 
 
+def _request_args(slots: torch.Tensor, prefix_len: int, last_node, **more) -> dict:
+    """How an operation on a request's slots is written: its slots, the prefix the tree holds, its node."""
+    return {"slots": slots.tolist(), "prefix_len": prefix_len, "node": last_node.id, **more}
+
+
 class RecordingCache:
     """The lab's cache, as the scheduler sees it, with every call of its contract written down. Anything else
     (hooks, observation, the step loop) reaches the cache itself through attribute lookup."""
@@ -115,31 +120,20 @@ class RecordingCache:
         return slots
 
     def free_request(self, slots, prefix_len: int, last_node) -> None:
-        args = {"slots": slots.tolist(), "prefix_len": prefix_len, "node": last_node.id}
+        args = _request_args(slots, prefix_len, last_node)
         self._cache.free_request(slots, prefix_len, last_node)
         self._record("free_request", args)
 
     def cache_unfinished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int):
-        args = {
-            "tokens": list(tokens),
-            "slots": slots.tolist(),
-            "prefix_len": prefix_len,
-            "node": last_node.id,
-            "inserted_len": inserted_len,
-        }
+        args = _request_args(slots, prefix_len, last_node, tokens=list(tokens), inserted_len=inserted_len)
         tree_slots, node = self._cache.cache_unfinished_req(tokens, slots, prefix_len, last_node, inserted_len)
         self._record("cache_unfinished_req", args, {"prefix": tree_slots.tolist(), "node": node.id})
         return tree_slots, node
 
     def cache_finished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int = 0, prompt_len: int = 0):
-        args = {
-            "tokens": list(tokens),
-            "slots": slots.tolist(),
-            "prefix_len": prefix_len,
-            "node": last_node.id,
-            "inserted_len": inserted_len,
-            "prompt_len": prompt_len,
-        }
+        args = _request_args(
+            slots, prefix_len, last_node, tokens=list(tokens), inserted_len=inserted_len, prompt_len=prompt_len
+        )
         matched = self._cache.cache_finished_req(tokens, slots, prefix_len, last_node, inserted_len, prompt_len)
         self._record("cache_finished_req", args, matched)
         return matched
