@@ -359,8 +359,10 @@ class StorageTier:
         return self.release_backups(len(self.backups))
 
     def close(self) -> None:
+        """Stop the workers. One still in a collective whose peers are gone (a crashed world) is left to die
+        with the process (daemon threads), so that this rank can still write its result."""
         for jobs in self.queues.values():
             jobs.put(None)
         for thread in self.threads:
-            thread.join()
+            thread.join(timeout=5)
         self.backend.close()
