@@ -7,8 +7,8 @@ Iteration i of stage s:
 2. `scheduler.schedule(i)`: agreed ack counts, then this stage's *own* batch from its *own* tree;
 3. forward: stage 0 embeds tokens; later stages receive hidden states (shape first, then data) and view them
    with their own token count — if the stages' caches diverged, this is where SGLang crashed with
-   `shape '[N, -1, D]' is invalid for input of size M`; the last stage samples and sends the tokens back to
-   every earlier stage;
+   `shape '[N, -1, D]' is invalid for input of size M`; the last stage samples and sends the tokens to
+   stage 0;
 4. once every micro-batch slot (`pp + --pp-async-batch-depth`, SGLang's `pp_loop_size`) is in flight, take back
    the oldest one's sampled tokens and let the scheduler append them and put its requests into the tree (with
    one stage and no depth: the batch just run, as SGLang's `run_batch` then `process_batch_result`). The
