@@ -79,7 +79,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         host_indices = self.controller.write(node.value, node.id)
         if host_indices is None:
             return 0
-        node.host_value = host_indices
+        node.host_value, node.write_pending = host_indices, node.id
         self.ongoing_write_through[node.id] = node
         self.inc_lock_ref(node)
         return len(host_indices)
@@ -93,6 +93,9 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             ack.finish_event.synchronize()
             self.controller.verify(ack, "write-back")
             self.tree.track_duplicate(node)  # for the moment until its device copy goes
+            if self.storage is not None:  # SGLang's _evict_write_back -> write_backup_storage
+                self.storage.backup(node)
+                self.tree.protect_host(node)
 
     # -- acks ----------------------------------------------------------------------------------------
 
@@ -105,11 +108,17 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def writing_check(self, count: int) -> None:
         """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and, with a
-        storage tier, are backed up to it."""
+        storage tier, are backed up to it, with every upper half split off a node while its write was in flight
+        (SGLang's publish_node_ids: the whole pre-split chain, prefix first)."""
         for node in self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through, count):
-            self.tree.track_duplicate(node)
-            if self.storage is not None:
-                self.storage.backup(node)
+            chain = [node]
+            while chain[-1].parent.write_pending == node.id:
+                chain.append(chain[-1].parent)
+            for part in reversed(chain):
+                part.write_pending = None
+                self.tree.track_duplicate(part)
+                if self.storage is not None:
+                    self.storage.backup(part)
 
     def _consume_writes(self, count: int) -> None:
         """`writing_check` (a `--sync-impl` may replace it), then protect the host copy of each node it handed to

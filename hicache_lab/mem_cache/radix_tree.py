@@ -49,6 +49,7 @@ class TreeNode:
     hit_count: int = 0
     last_access: int = 0
     load_pending: int | None = None  # id of the load back still filling this node's device copy
+    write_pending: int | None = None  # id of the host write in flight that covers this node (a split keeps it)
 
     @property
     def evicted(self) -> bool:
@@ -130,6 +131,7 @@ class RadixTree:
             hit_count=child.hit_count,
             last_access=child.last_access,
             load_pending=child.load_pending,
+            write_pending=child.write_pending,
         )
         self._next_id += 1
         upper.children[child.key[n : n + ps]] = child

@@ -1,6 +1,7 @@
 """The L3 tier: backups from host to storage, and prefetches from storage to host.
 
-* **Backup** - once a node's host write is acknowledged, its pages go to storage. The host copy is protected
+* **Backup** - once a node's host write is acknowledged (with the upper halves split off it meanwhile), or a
+  write_back eviction has copied it to the host, its pages go to storage. The host copy is protected
   (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. CP
   peers hold identical KV, so page i is written by CP rank i mod cp only; the others skip it.
 * **Prefetch** (SGLang 0.5.23's flow) - when a request arrives, the prefetch thread asks storage how many leading

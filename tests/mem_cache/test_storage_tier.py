@@ -8,8 +8,12 @@ import json
 
 import pytest
 
+from hicache_lab.config import CacheConfig, ParallelConfig
+from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
+from hicache_lab.mem_cache.build import KVShape, build_cache
+from hicache_lab.mem_cache.hicache_storage import FileStorage
 
 
 def storage_world(world_config, **parallel):
@@ -80,3 +84,41 @@ def test_a_wall_clock_timeout_decided_by_pp_rank_0_keeps_the_stages_together(wor
     storage = [json.loads((tmp_path / f"rank{r}.json").read_text())["storage"] for r in (0, 1)]
     assert storage[0]["cut_short"] == storage[1]["cut_short"] > 0
     assert storage[0]["pages_prefetched"] == storage[1]["pages_prefetched"] > 0
+
+
+def test_write_back_backs_evicted_nodes_up_to_storage(world_config, tmp_path):
+    """write_back copies a node to the host only when the device evicts it; that copy then goes to storage too
+    (SGLang's `_evict_write_back` -> `write_backup_storage`), so a flushed cache finds pages there."""
+    cfg = storage_world(world_config)
+    cfg.cache.write_policy = "write_back"
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
+    assert json.loads((tmp_path / "rank0.json").read_text())["storage"]["pages_backed_up"] > 0
+    assert sum(r["cached_storage"] for r in summary["rounds"] if r["round"] > 0) > 0
+
+
+def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
+    """A node split while its host write is in flight: at the ack both halves go to storage (SGLang's
+    publish_node_ids), so the node's leading pages are there; backing up only the lower half would leave the
+    head missing and a prefetch of the whole prefix would find nothing."""
+    cfg = CacheConfig(
+        max_total_tokens=64,
+        enable_hierarchical_cache=True,
+        storage_backend="file",
+        prefetch_threshold=4,
+        max_copy_delay_steps=0,
+    )
+    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+    backend = FileStorage(tmp_path, "test")
+    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=backend)
+    whole = tuple(range(16))
+    cache.insert(whole, cache.alloc_device(16))  # write-through: its host write is queued
+    cache.flush_pending_backups()  # ... and started
+    cache.insert(whole[:8] + (99,) * 8, cache.alloc_device(16))  # splits the node after 8 tokens
+    for step in range(1, 4):  # the ack, then the backups
+        cache.advance(step)
+        cache.check_hicache_events()
+    upper = cache.match_prefix(whole).last_device_node.parent
+    assert len(upper.key) == 8 and upper.parent is cache.tree.root
+    assert backend.batch_exists(upper.hashes + cache.match_prefix(whole).last_device_node.hashes) == 16
+    cache.close()
