@@ -48,6 +48,11 @@ class NewTokenRatio:
         self.current = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / (budget + 1))
 
 
+def ceil_pages(tokens: int, page_size: int) -> int:
+    """`tokens` rounded up to whole pages (SGLang's `ceil_paged_tokens`)."""
+    return -(-tokens // page_size) * page_size
+
+
 def remaining_output(req: Req) -> int:
     return min(max(req.max_new_tokens - len(req.output), 0), CLIP_MAX_NEW_TOKENS)
 
@@ -71,9 +76,6 @@ class PrefillAdder:
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None
 
-    def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.page_size) * self.page_size
-
     def rem_total_tokens(self) -> float:
         return self.cache.device_room() - self.total_offset
 
@@ -86,7 +88,7 @@ class PrefillAdder:
         return AddReqResult.CONTINUE
 
     def _reserve(self, extend: int, max_new: int) -> None:
-        extend = self._pages(extend)
+        extend = ceil_pages(extend, self.page_size)
         self.total_offset += extend + self.page_size + max_new
         self.current_offset += extend + self.page_size
         self.rem_input_tokens -= extend
@@ -140,12 +142,12 @@ class PrefillAdder:
         """SGLang's `_select_prefill_admission`: None (and `req.extend_end` set) if a prefill from `prefix_len`
         fits, else why not."""
         ps = self.page_size
-        extend = len(req.fill_ids) - prefix_len
+        input_tokens = ceil_pages(len(req.fill_ids) - prefix_len, ps)
         if not total < self.rem_total_tokens():
             return AddReqResult.NO_TOKEN
-        if self.rem_chunk_tokens is None and self.can_run and self._pages(extend) >= self.rem_input_tokens:
+        if self.rem_chunk_tokens is None and self.can_run and input_tokens >= self.rem_input_tokens:
             return AddReqResult.OTHER  # without chunking the first request may exceed the input budget
-        if self.rem_chunk_tokens is not None and self._pages(extend) > self.rem_chunk_tokens:
+        if self.rem_chunk_tokens is not None and input_tokens > self.rem_chunk_tokens:
             end = (prefix_len + self.rem_chunk_tokens // ps * ps) // ps * ps
             if end <= prefix_len:
                 return AddReqResult.OTHER

@@ -23,7 +23,7 @@ from ..errors import PoolExhaustedError
 from ..mem_cache.base import BasePrefixCache
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
-from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder
+from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
 
 
 class Scheduler:
@@ -57,9 +57,6 @@ class Scheduler:
         for req in reqs:
             self.cache.prefetch_from_storage(req.rid, req.fill_ids)
             self.waiting.append(req)
-
-    def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.page_size) * self.page_size
 
     def schedule(self, iteration: int) -> Batch:
         """Advance copies, consume agreed acks, then build a prefill batch if one fits, else a decode batch."""
@@ -160,7 +157,7 @@ class Scheduler:
     def _prefill(self, batch: list[Req]) -> ForwardBatch:
         """Start the batch's loads, then allocate its extend slots (SGLang's `prepare_for_extend`)."""
         load_event = self.cache.start_loading()
-        need = [self._pages(r.extend_end) - len(r.slots) for r in batch]
+        need = [ceil_pages(r.extend_end, self.page_size) - len(r.slots) for r in batch]
         extend = [r.extend_end - r.kv_len for r in batch]
         demand = sum(extend) + len(batch) * self.page_size if self.page_size > 1 else sum(need)
         new = self.cache.alloc_device(sum(need), demand).split(need)
