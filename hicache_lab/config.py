@@ -26,13 +26,17 @@ SYNC_FIXES = (
     "storage_keys",
     "multi_hop_relay",
     "always_agree",
+    "alloc_agreement",
+    "prefetch_vote",
 )
-# Fixes of bugs that came after the code `legacy` stands for: legacy keeps them, so each bug shows alone.
-LEGACY_FIXES = ("always_agree",)
-FAULTS = ("kill-rank", "tear-copy", "misplace-copy")  # --fault KIND:RANK@N (entrypoints/hooks.py)
+# Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
+LEGACY_FIXES: tuple[str, ...] = ()
+FAULTS = ("kill-rank", "tear-copy", "misplace-copy", "alloc-fail")  # --fault KIND:RANK@N (entrypoints/hooks.py)
 # What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (entrypoints/hooks.py binds it).
 SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
+# Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
+STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
 
@@ -89,6 +93,7 @@ class CacheConfig:
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
     copy_checksum: bool = False  # every host copy's destination is checked against its source's sha256 when consumed
     storage_backend: str = "none"  # L3
+    storage_writers: str = "every-rank"  # every-rank: each rank its own copy; one: CP rank 0 writes for its CP group
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
     mooncake_master: str = ""  # HOST:PORT of a running mooncake_master; empty: the run starts one on 127.0.0.1
     mooncake_metadata_url: str = ""  # its HTTP metadata server, e.g. http://127.0.0.1:8080/metadata
@@ -116,6 +121,7 @@ class CacheConfig:
         _check(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
         _check(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
         _check_choice(self.storage_backend, STORAGE_BACKENDS, "--hicache-storage-backend")
+        _check_choice(self.storage_writers, STORAGE_WRITERS, "--hicache-storage-writers")
         _check_choice(self.prefetch_policy, PREFETCH_POLICIES, "--hicache-storage-prefetch-policy")
         _check(
             self.storage_backend == "none" or self.enable_hierarchical_cache,
@@ -220,7 +226,9 @@ class ParallelConfig:
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
     pp_async_batch_depth: int = 0  # micro-batch slots beyond pp (SGLang's --pp-async-batch-depth)
-    fault: str = ""  # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write)
+    # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write), alloc-fail
+    # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots)
+    fault: str = ""
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
 
     def __post_init__(self) -> None:

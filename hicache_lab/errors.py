@@ -15,3 +15,7 @@ class CopyChecksumError(RuntimeError):
 
 class ConsensusError(RuntimeError):
     """Ranks hold different values of a quantity that must be identical on all of them."""
+
+
+class AllocationError(RuntimeError):
+    """A rank cannot allocate slots for a copy its peers agreed to start."""

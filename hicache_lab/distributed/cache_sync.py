@@ -26,9 +26,20 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
                         `storage_key_cp_rank`).
 * `multi_hop_relay`   - the relayed count travels through every stage; without it only stage 1 receives it and
                         later stages keep their own polls (SGLang #22878: right for 2 stages, wrong for 3+).
-* `always_agree`      - every rank enters the agreement every step; without it a rank that saw nothing finish
-                        returns before the collective its peers wait in (SGLang #28430, #38273: a deadlock).
-                        The code `legacy` stands for agreed every step: legacy keeps this fix.
+* `always_agree`      - every rank enters the agreement every step; without it a rank with nothing in flight
+                        returns before the collective, as SGLang 0.5.10-0.5.13's `writing_check` did. Harmless
+                        while ranks agree on what is in flight; once something else made that differ (#26921:
+                        unagreed load acks; #28429: an allocation that failed on one rank), the rank with
+                        nothing in flight skips the collective its peers wait in: a deadlock (#27489 fixed it).
+* `alloc_agreement`   - the slots a copy needs (a write to the host, a load back, a prefetch's host slots) are
+                        taken on every rank or on none: each rank allocates, the ranks agree (MIN of success),
+                        and where one failed the others free theirs (SGLang #28429, the reserve/commit of
+                        #31425). Across stages PP rank 0's verdict is relayed; a later stage whose own
+                        allocation failed retries once and otherwise ends the run with `AllocationError` (a
+                        one-way relay cannot carry its refusal back: SGLang has no answer for this either).
+* `prefetch_vote`     - a rank that holds no prefetch for a request still enters `check_prefetch_progress`'s
+                        collectives (voting ready, 0 pages), as SGLang #38273 proposed; without it the rank
+                        returns before them, and a peer whose prefetches differ waits there alone (a deadlock).
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
 return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
@@ -186,13 +197,14 @@ class CacheSync:
         """Whether this rank's own event polls feed the agreement (with the PP fix: PP rank 0 only)."""
         return "pp_relay" not in self.fixes or self.pp_rank == 0 or self.pp_rank >= self.relay_stages
 
-    def agree_ack_counts(self, local: dict[str, int]) -> dict[str, int]:
+    def agree_ack_counts(self, local: dict[str, int], in_flight: dict[str, int]) -> dict[str, int]:
         """How many leading acks of each queue ('write', 'load', 'backup') every rank consumes this step, in one
-        collective (SGLang batched its write and load counts: +37% input throughput, #33473)."""
+        collective (SGLang batched its write and load counts: +37% input throughput, #33473). `in_flight`: what
+        each queue holds on this rank, finished or not."""
         names = [q for q in local if self.mode != "off" and (q != "load" or "agree_loads" in self.fixes)]
         agreed = dict(local)
-        if "always_agree" not in self.fixes and not any(local.values()):
-            return agreed  # nothing finished here: this rank skips the collective its peers may be waiting in
+        if "always_agree" not in self.fixes and not any(in_flight[q] for q in names):
+            return agreed  # nothing in flight here: this rank skips the collective its peers may be waiting in
         if names:
             data = torch.tensor([local[q] for q in names], dtype=torch.int64)
             if "pp_relay" in self.fixes:
@@ -201,6 +213,18 @@ class CacheSync:
                 self._all_reduce_attn_groups(data, MIN)
             agreed.update(zip(names, data.tolist(), strict=True))
         return agreed
+
+    def agree_allocation(self, allocated: bool) -> bool:
+        """Whether every rank allocated the slots of one copy (MIN of success), without `alloc_agreement` this
+        rank's own outcome. PP rank 0 agrees with its attention peers and relays the verdict down the pipeline."""
+        if "alloc_agreement" not in self.fixes or (self.pp_size == 1 and not self._attn_groups()):
+            return allocated
+        data = torch.tensor([int(allocated)], dtype=torch.int64)
+        if "pp_relay" in self.fixes:
+            self._all_reduce(data, MIN)
+        else:
+            self._all_reduce_attn_groups(data, MIN)
+        return bool(data.item())
 
     def agree_host_capacity(self, tokens: int) -> int:
         """Host pool size in tokens, at start. Sized in bytes, stages with fewer layers fit more tokens and would

@@ -67,6 +67,15 @@ FLAGS = [
         "real: mean extra delay per copy (exponential)",
     ),
     ("--hicache-storage-backend", "cache", "storage_backend", str, f"L3 tier: {', '.join(STORAGE_BACKENDS)}"),
+    (
+        "--hicache-storage-writers",
+        "cache",
+        "storage_writers",
+        str,
+        "who writes L3 pages: every-rank (SGLang's MHA path: each rank its own copy, keyed by its global TP rank, so "
+        "CP peers keep separate copies) or one (SGLang's rank-replicated path, is_storage_writer: CP rank 0 writes "
+        "for its CP group, whose peers read its keys)",
+    ),
     ("--hicache-storage-dir", "cache", "storage_dir", str, "file backend directory (empty: DIR/storage, cleared)"),
     ("--hicache-storage-prefetch-policy", "cache", "prefetch_policy", str, f"{', '.join(PREFETCH_POLICIES)}"),
     ("--mooncake-master", "cache", "mooncake_master", str, "HOST:PORT of a mooncake_master (empty: start one)"),
@@ -159,7 +168,8 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
         default="",
         metavar="KIND:RANK@N",
         help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's "
-        "Nth host write is torn or lands in the wrong slots)",
+        "Nth host write, from 0, is torn or lands in the wrong slots), alloc-fail:R@N (rank R's Nth slot allocation "
+        "for a copy fails, as a full pool would: a write to the host, a load back, a prefetch's host slots)",
     )
     parser.add_argument(
         "--copy-checksum", action="store_true", help="check every host copy against its source's sha256 (fails at once)"

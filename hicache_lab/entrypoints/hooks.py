@@ -16,6 +16,9 @@ The run checks the targets before it starts, so a typo fails at once (`ConfigErr
 * `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) as its iteration N begins;
 * `--fault tear-copy:R@N` / `misplace-copy:R@N` - rank R's Nth host write leaves out its first layer / lands
   every token one slot over (`--copy-checksum` and `--check-outputs` must catch it);
+* `--fault alloc-fail:R@N` - rank R's Nth slot allocation for a copy (a write to the host, a load back, a
+  prefetch's host slots; from 0) fails, as a full pool would on that rank alone (SGLang #28429, #33442): the
+  ranks must agree on it (`alloc_agreement`);
 * `--skip-load-wait` - the forward pass reads loaded KV without waiting for the load (the oracle must fail).
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import logging
 import os
 import signal
 import sys
@@ -37,6 +41,8 @@ from ..managers.scheduler_pp import StageLoop
 from ..mem_cache.base import BasePrefixCache
 from ..mem_cache.cache_controller import HiCacheController
 from ..mem_cache.hiradix_cache import HiRadixCache
+
+log = logging.getLogger(__name__)
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, Callable]:
@@ -84,6 +90,8 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
         return
     if kind == "kill-rank":
         loop.on_iteration.append(partial(_kill_at, n))
+    elif kind == "alloc-fail" and isinstance(cache, HiRadixCache):
+        _fail_allocation(cache, n)
     elif isinstance(cache, HiRadixCache):
         _bad_write(cache.controller, kind, n)
 
@@ -121,3 +129,16 @@ def _bad_write(controller: HiCacheController, kind: str, n: int) -> None:
         return torn
 
     controller.write_job = job
+
+
+def _fail_allocation(cache: HiRadixCache, n: int) -> None:
+    """The cache's Nth allocation for a copy (from 0) finds no room, whatever the pool holds."""
+    allocate, calls = cache.allocate, itertools.count()
+
+    def hooked(alloc, num_tokens):
+        if next(calls) == n:
+            log.warning("--fault alloc-fail: %s refuses %d tokens (allocation %d)", alloc.name, num_tokens, n)
+            return None
+        return allocate(alloc, num_tokens)
+
+    cache.allocate = hooked

@@ -1,7 +1,8 @@
 """The correctness oracle: every served request against the same request computed from scratch.
 
 A request served from cache (device, host or storage) must produce logits within `LOGIT_ATOL` of a fresh
-full prefill of its prompt and answer, at every generated position, and the same tokens. Together with the
+full prefill of its prompt and answer, at every generated position, and the same tokens (where two tokens'
+reference logits lie within `LOGIT_ATOL`, either counts). Together with the
 controller's byte-for-byte copy checks this is `outputs_match_reference`.
 """
 
@@ -37,7 +38,9 @@ def check_outputs(model_cfg: ModelConfig, device: str, reqs: list[Req], copies: 
         error = (expected - torch.stack(req.logits)).abs().max().item()
         if not error <= LOGIT_ATOL:  # NaN (a read of poisoned KV) fails too
             bad_logits.append(req.rid)
-        if expected.argmax(-1).tolist() != req.output:
+        # a token is wrong where the reference prefers another by more than fp32 noise (a near-tie may go either way)
+        served = expected.gather(-1, torch.tensor(req.output)[:, None]).squeeze(-1)
+        if not ((expected.max(-1).values - served) <= LOGIT_ATOL).all():
             bad_tokens.append(req.rid)
         max_error = max(max_error, error) if error == error else float("inf")
     copy_mismatches = copies.mismatched if copies else []

@@ -22,7 +22,7 @@ from ..managers.step_trace import TraceWriter, trace_path
 from ..managers.workload import Feeder, make_workload
 from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
-from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, storage_suffix
+from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, is_storage_writer, storage_suffix
 from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
 from .hooks import install, install_faults, resolve
@@ -39,14 +39,19 @@ class Stage:
 
 
 def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, directory: Path) -> StorageBackend:
-    """The L3 backend under this rank's keys (with or without the CP rank: `CacheSync.storage_key_cp_rank`)."""
+    """The L3 backend under this rank's keys. `--hicache-storage-writers every-rank` (SGLang's MHA keys): the
+    global TP rank of T x C, so CP peers keep separate copies; `one` (rank-replicated KV): the attention-TP rank,
+    a key set the CP group shares (and, without the `storage_keys` fix, the CP rank: `storage_key_cp_rank`)."""
     layout, c = sync.groups.layout, cfg.cache
-    suffix = storage_suffix(cfg.model.seed, layout.tp_rank, layout.tp, layers, sync.storage_key_cp_rank())
+    tp_rank, tp = layout.tp_rank, layout.tp
+    if c.storage_writers == "every-rank":
+        tp_rank, tp = layout.cp_rank * layout.tp + layout.tp_rank, layout.tp * layout.cp
+    suffix = storage_suffix(cfg.model.seed, tp_rank, tp, layers, sync.storage_key_cp_rank())
     if c.storage_backend == "mooncake":
         return MooncakeStorage(c.mooncake_master, c.mooncake_metadata_url, suffix, kv.bytes_per_token * c.page_size)
     backend = FileStorage(directory, suffix)
-    if not c.storage_dir and get_attn_cp_rank_and_size(sync.groups)[0] == 0:
-        backend.clear()  # a run-local store starts empty (one writer per key set)
+    if not c.storage_dir and is_storage_writer(c, layout):
+        backend.clear()  # a run-local store starts empty (its writer clears its key set)
     return backend
 
 
@@ -109,7 +114,9 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
     except Exception as exc:  # a crash is a result: it goes in the summary
         error = f"{type(exc).__name__}: {exc}"
         if "Timed out" in str(exc):
-            error = f"collective timed out after --collective-timeout {p.collective_timeout_s:g} s ({error})"
+            result["hung_in"] = _lab_calls(exc)
+            timeout_s = p.collective_timeout_s
+            error = f"collective timed out after --collective-timeout {timeout_s:g} s in {result['hung_in']} ({error})"
         result.update(crashed=True, error=error, traceback=traceback.format_exc(), failed_at=time.time())
     if stage is not None:
         loop, cache = stage.loop, stage.cache
@@ -130,3 +137,10 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
         os._exit(1)  # peers may be blocked on us: leave now, the launcher stops them
     dist.destroy_process_group()
     return result
+
+
+def _lab_calls(exc: BaseException, depth: int = 4) -> str:
+    """The innermost calls of the lab's own code where `exc` was raised: which collective hung."""
+    package = str(Path(__file__).resolve().parents[1])
+    names = [f.name for f in traceback.extract_tb(exc.__traceback__) if f.filename.startswith(package)]
+    return " > ".join(names[-depth:]) or "an unknown call"

@@ -137,6 +137,8 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int,
     crashed = [r for r in results if r["crashed"]]
     first = min(crashed, key=lambda r: r["failed_at"]) if crashed else None
     error = first["error"] if first else None
+    if hung := [f"rank {r['rank']} in {r['hung_in']}" for r in crashed if r is not first and "hung_in" in r]:
+        error = f"{error}; meanwhile {', '.join(hung)}"  # where each peer waited: which collectives did not meet
     lost = [rank for rank in (failed or {}) if rank in stopped]
     if lost:
         first, error = None, f"rank {lost[0]} {_exit_reason(failed[lost[0]])} without a result; the others were stopped"

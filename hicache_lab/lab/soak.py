@@ -2,8 +2,9 @@
 
 Every case draws a world (tp 1-2, cp 1-2, pp 1-4, at most `--max-ranks` ranks), a write policy, a page size,
 the storage tier on or off (with a prefetch policy, maybe flushing between rounds), virtual or real latency,
-a chunked prefill size, an answer length (long answers run out of decode memory: retractions), and a workload
-seed; the same case then runs once in each mode (`fixed`, `legacy`), as its own
+a chunked prefill size, an answer length (long answers run out of decode memory: retractions), in a third of
+the cases one rank's allocation fault (`--fault alloc-fail:R@N`: its Nth slot allocation for a copy fails), and
+a workload seed; the same case then runs once in each mode (`fixed`, `legacy`), as its own
 `python -m hicache_lab run` process group with a hard wall-clock limit. A run is counted as
 
 * a **hang** if it outlives the limit (its whole process group is killed),
@@ -50,6 +51,7 @@ class Case:
     delay: int  # virtual: max copy delay in steps; real: mean injected delay in ms
     chunk: int  # --chunked-prefill-size (-1: off)
     output_length: int  # 8, or 32: decode memory runs short and requests are retracted
+    alloc_fault: str  # "R@N": rank R's Nth slot allocation for a copy fails; "" for none
 
     @property
     def ranks(self) -> int:
@@ -66,6 +68,8 @@ class Case:
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
+        if self.alloc_fault:
+            args += ["--fault", f"alloc-fail:{self.alloc_fault}"]
         if self.storage:
             args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", self.prefetch_policy]
             args += ["--storage-prefetch-threshold", "16"]
@@ -99,6 +103,7 @@ def draw_cases(runs: int, seed: int, max_ranks: int) -> list[Case]:
                 delay=int(rng.integers(1, 4)) if latency == "virtual" else int(rng.integers(0, 3)),
                 chunk=int(rng.choice([-1, 16, 48, 4096])),
                 output_length=int(rng.choice([8, 32])),
+                alloc_fault=f"{rng.integers(0, tp * cp * pp)}@{rng.integers(0, 30)}" if rng.random() < 1 / 3 else "",
             )
         )
     return cases
@@ -140,17 +145,17 @@ def summarize_rows(rows: list[dict], modes: list[str]) -> str:
     """The Markdown table: per mode, how many runs ended in each way."""
     lines = [
         "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate "
-        "| runs with chunks | runs with retractions |",
+        "| runs with chunks | runs with retractions | runs with an allocation fault |",
         "|------|-----:|------------:|--------:|------:|------------------:|----------------:"
-        "|-----------------:|----------------------:|",
+        "|-----------------:|----------------------:|------------------------------:|",
     ]
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
         counts = [sum(r[k] for r in mine) for k in ("diverged", "crashed", "hung", "mismatched")]
         rate = counts[0] / len(mine) if mine else 0.0
-        pressure = [sum(bool(r[k]) for r in mine) for k in ("chunks", "retractions")]
+        pressure = [sum(bool(r[k]) for r in mine) for k in ("chunks", "retractions", "alloc_fault")]
         lines.append(
-            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | {pressure[0]} | {pressure[1]} |"
+            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | {' | '.join(map(str, pressure))} |"
         )
     return "\n".join(lines)
 

@@ -1,7 +1,8 @@
 """The bug zoo: every known failure of this family, reproducible by name, next to its fix.
 
 Each entry is a small world given as `run` flags. Its *broken* run is `--sync fixed` with the entry's fix(es)
-switched off (`--disable-fix NAME`), its *fixed* run the same flags with every fix: same seed, same workload.
+switched off (`--disable-fix NAME`) and its `broken_flags` added, its *fixed* run the same flags with every
+fix: same seed, same workload.
 `symptom` reads a run's summary (and trace) and says what went wrong, or None; the broken run must show it,
 the fixed run must not, must complete with identical decisions on every rank and exact outputs.
 
@@ -12,6 +13,7 @@ the fixed run must not, must complete with identical decisions on every rank and
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -45,6 +47,18 @@ def diverged(summary: dict, out: Path) -> str | None:
 def no_storage_hits(summary: dict, out: Path) -> str | None:
     rate = storage_hit_rate(summary)
     return f"storage hit rate {rate:.1%}: every prefetch revoked" if summary["completed"] and rate == 0 else None
+
+
+def prefetches_revoked(summary: dict, out: Path) -> str | None:
+    """Storage holds pages, yet most prefetches find too few leading ones and are revoked (rank 0's counters)."""
+    stats = json.loads((out / "rank0.json").read_text()).get("storage", {})
+    revoked, issued, backed_up = stats.get("revoked", 0), stats.get("prefetches", 0), stats.get("pages_backed_up", 0)
+    if not summary["completed"] or backed_up == 0 or 2 * revoked <= issued:
+        return None
+    return (
+        f"{revoked} of {issued} prefetches revoked though {backed_up} pages were backed up: "
+        f"storage hit rate {storage_hit_rate(summary):.1%}"
+    )
 
 
 def relay_sends_only_grow(summary: dict, out: Path) -> str | None:
@@ -81,10 +95,14 @@ class Entry:
     symptom: Callable[[dict, Path], str | None] = diverged
     expect: str = ""  # a phrase the broken run's symptom contains
     prepare: Callable[[Path, str], None] | None = None  # builds the store both runs start from (a copy each)
+    broken_flags: str = ""  # what the broken run adds beyond its switched-off fixes (a setting, not a fix)
+
+    def run_flags(self, broken: bool) -> str:
+        return f"{self.flags} {self.broken_flags}".strip() if broken else self.flags
 
     def command(self, broken: bool) -> str:
         off = "".join(f" --disable-fix {name}" for name in self.fixes) if broken else ""
-        return f"python -m hicache_lab run {BASE_FLAGS} {self.flags}{off}"
+        return f"python -m hicache_lab run {BASE_FLAGS} {self.run_flags(broken)}{off}"
 
 
 ENTRIES = {
@@ -101,7 +119,7 @@ ENTRIES = {
         Entry(
             "load_acks",
             "load-back acks consumed as each rank sees them finish, not agreed",
-            "loading_check before the fixes (no sync at all)",
+            "loading_check before the fixes (no sync at all): the first link of #26921's chain",
             "--tp 2 --num-rounds 3",
             ("agree_loads",),
             expect="on acks_load",
@@ -134,12 +152,48 @@ ENTRIES = {
         ),
         Entry(
             "early_return",
-            "a rank that saw nothing finish returns before the collective its peer waits in: deadlock, ended by "
-            "--collective-timeout",
-            "#28430, #38273",
-            "--tp 2 --collective-timeout 5 --num-rounds 2",
-            ("always_agree",),
-            expect="collective timed out after --collective-timeout 5 s",
+            "a rank with nothing in flight returns before the ack agreement (SGLang 0.5.10-0.5.13): harmless while "
+            "ranks agree on what is in flight, a deadlock once a host write allocated on one rank only made that "
+            "differ",
+            "#26921, #28429 (writing_check TP deadlock, after hours), #28430; fixed by #27489",
+            "--tp 2 --collective-timeout 5 --fault alloc-fail:1@11",
+            ("always_agree", "alloc_agreement"),
+            expect="in check_hicache_events > agree_ack_counts",
+        ),
+        Entry(
+            "write_alloc",
+            "a host write allocated on one rank only (its pool refused): every rank still enters the agreement, "
+            "but the trees part, silently, until the ranks batch differently",
+            "#28429 (agreeing on counts is necessary, not sufficient), the reserve/commit of #31425",
+            "--tp 2 --fault alloc-fail:1@11",
+            ("alloc_agreement",),
+            expect="on digest",
+        ),
+        Entry(
+            "load_alloc",
+            "a load back allocated on one rank only: that rank recomputes what its peer loaded, and the two enter "
+            "the model's TP collectives with different token counts",
+            "#33442 (DeepSeek-V4-Flash TP2 all-reduce sizes one page apart)",
+            "--tp 2 --fault alloc-fail:1@26",
+            ("alloc_agreement",),
+            expect="TP peers disagree on the batch",
+        ),
+        Entry(
+            "pop_empty",
+            "a host write that failed on stage 1 alone: PP rank 0 relays an ack count larger than stage 1's queue",
+            "#29109 (pop from empty list)",
+            "--pp 2 --fault alloc-fail:1@11",
+            ("alloc_agreement",),
+            expect="pop from empty list",
+        ),
+        Entry(
+            "prefetch_early_return",
+            "a rank without a request's prefetch returns before check_prefetch_progress's collective, where its "
+            "peer waits alone (their prefetches differ after a host write that failed on one rank)",
+            "#38273 / #38268 (gloo hang, TP=8, NIXL storage)",
+            f"--tp 2 --collective-timeout 5 {STORAGE_FLAGS} --fault alloc-fail:1@3",
+            ("prefetch_vote", "alloc_agreement"),
+            expect="in check_prefetch_progress > prefetch_ready",
         ),
         Entry(
             "relay_send_growth",
@@ -152,21 +206,37 @@ ENTRIES = {
             expect="never freed",
         ),
         Entry(
+            "write_back_heads",
+            "write_back writes to storage only what it evicts, leaves first: a conversation's head pages stay on the "
+            "device and never reach storage, so after a flush every lookup misses its first page",
+            "#26886 (file L3 written, never read under write_back; the answer there: write_through)",
+            f"{STORAGE_FLAGS} --flush-cache-between-rounds",
+            (),
+            symptom=prefetches_revoked,
+            expect="prefetches revoked though",
+            broken_flags="--hicache-write-policy write_back",
+        ),
+        Entry(
             "cp_storage_keys",
-            "the CP rank in storage keys: each CP peer finds only the pages it wrote, the MIN of hits is 0",
-            "#20460 (Mooncake suffix)",
-            f"--cp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            "one writer per CP group (replicated KV) and the CP rank in storage keys: CP rank 0 writes, its peers "
+            "look under their own CP rank and find nothing, the MIN of hits is 0",
+            "#20460 (the seed: Mooncake suffix); the same symptom by another route in #37149 (writer elected by "
+            "the global TP rank while CP ranks hold different shards); #26670 puts the CP rank in file keys where "
+            "CP ranks hold different bytes",
+            f"--cp 2 {STORAGE_FLAGS} --hicache-storage-writers one --flush-cache-between-rounds --num-rounds 2",
             ("storage_keys",),
             symptom=no_storage_hits,
             expect="storage hit rate 0.0%",
         ),
         Entry(
             "cp_prefetch_termination",
-            "CP peers decide alone when a prefetch may stop waiting and how many pages arrived",
+            "CP peers decide alone when a prefetch may stop waiting and how many pages arrived: their prefixes "
+            "part, one loads back what the other recomputes, and they enter different collectives (the load's "
+            "allocation vote, the model's batch check)",
             "#20460 (CP peers disagreed on prefetch completion and revocation)",
-            f"--cp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            f"--cp 2 --collective-timeout 5 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
             ("prefetch_groups",),
-            expect="CP peers disagree",
+            expect="reserve > agree_allocation",
         ),
     )
 }
@@ -193,7 +263,7 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, 
         entry.prepare(store, entry.flags)
     outcomes = []
     for name, disabled in (("broken", entry.fixes), ("fixed", ())):
-        flags = entry.flags
+        flags = entry.run_flags(name == "broken")
         if entry.prepare is not None:
             shutil.copytree(store, out / name / "store")
             flags += f" --hicache-storage-dir {out / name / 'store'}"
@@ -215,7 +285,7 @@ def add_zoo_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_zoo(args: argparse.Namespace) -> int:
     if args.name is None:
         for e in ENTRIES.values():
-            fixes = ", ".join(e.fixes)
+            fixes = ", ".join(e.fixes) or "-"
             print(f"{e.name:<24} fix {fixes:<18} {e.failure}\n{'':<24} SGLang {e.sglang}\n{'':<24} {e.command(True)}")
         return 0
     entry = ENTRIES[args.name]

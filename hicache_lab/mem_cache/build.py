@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from ..config import CacheConfig
 from ..distributed.cache_sync import CacheSync
-from ..distributed.parallel_state import get_attn_cp_rank_and_size
 from .base import CopyEngine, StorageBackend
 from .cache_controller import HiCacheController
 from .copy_engine import make_copy_engine
+from .hicache_storage import is_storage_writer
 from .hiradix_cache import HiRadixCache
 from .memory_pool import DeviceKVPool, PageAllocator, kv_bytes_per_token
 from .memory_pool_host import HostKVPool
@@ -67,8 +67,6 @@ def build_cache(
     )
     tier = None
     if backend is not None:
-        cp_rank, cp_size = get_attn_cp_rank_and_size(sync.groups)
-        tier = StorageTier(
-            cfg, backend, host_pool, host_alloc, sync, cp_rank=cp_rank, cp_size=cp_size, seed=seed, rank=rank
-        )
+        writer = is_storage_writer(cfg, sync.groups.layout)
+        tier = StorageTier(cfg, backend, host_pool, host_alloc, sync, writer=writer, seed=seed, rank=rank)
     return pool, HiRadixCache(cfg, device_alloc, sync, controller, tier)

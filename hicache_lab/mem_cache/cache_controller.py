@@ -73,19 +73,16 @@ class HiCacheController:
         """The copy a host write runs (where `--fault` tears or misplaces one, entrypoints/hooks.py)."""
         return self._job(True, host_idx, device_idx)
 
-    def write(self, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
-        """Back `device_indices` up to freshly allocated host slots; None when the host pool is full.
+    def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):
+        """Back `device_indices` up to `host_indices` (allocated by the cache, agreed across ranks).
 
-        Queued for the next `start_writing()`, which returns the host slots; with `queue_ack=False` (write-back
-        eviction) the copy starts at once, alone, and the event to wait on comes back too.
+        Queued for the next `start_writing()`; with `queue_ack=False` (write-back eviction) the copy starts at
+        once, alone, and its ack (the event to wait on) comes back.
         """
-        host_indices = self.host_alloc.alloc(len(device_indices))
-        if host_indices is None:
-            return None
         if queue_ack:
             self.write_queue.append((host_indices, device_indices, node_id))
-            return host_indices
-        return host_indices, self._submit("write", [(host_indices, device_indices, node_id)])
+            return None
+        return self._submit("write", [(host_indices, device_indices, node_id)])
 
     def start_writing(self) -> None:
         """Start every queued write as one copy (SGLang's `start_writing`)."""
@@ -94,12 +91,9 @@ class HiCacheController:
             self.write_tokens_started += sum(len(d) for _, d, _ in self.write_queue)
             self.write_queue = []
 
-    def load(self, host_indices: torch.Tensor, node_id: int) -> torch.Tensor | None:
-        """Reserve device slots for a load started by the next `start_loading()`; None when full."""
-        device_indices = self.device_alloc.alloc(len(host_indices))
-        if device_indices is not None:
-            self.load_queue.append((host_indices, device_indices, node_id))
-        return device_indices
+    def load(self, host_indices: torch.Tensor, device_indices: torch.Tensor, node_id: int) -> None:
+        """Queue a load into `device_indices` (allocated by the cache), started by the next `start_loading()`."""
+        self.load_queue.append((host_indices, device_indices, node_id))
 
     def start_loading(self):
         """Start every queued load as one layer-by-layer copy; returns its event (None if none queued)."""

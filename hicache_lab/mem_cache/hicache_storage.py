@@ -1,10 +1,13 @@
 """L3 storage backends: where host pages go to outlive the host pool (and the process).
 
-A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming what
-really differs between ranks' data — the model, the TP shard and the PP stage's layers. Not the CP rank: CP
-peers hold identical KV here, so exactly one of them writes each page and all of them read it.
-`storage_suffix(..., cp_rank=...)` puts the CP rank in, as the seed document describes SGLang's Mooncake keys
-before #20460: then peers never find each other's pages. (Released SGLang keys differ: docs/fidelity.md, K3.)
+A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming the
+model, the TP shard and the PP stage's layers. Who writes (`is_storage_writer`, `--hicache-storage-writers`):
+
+* `every-rank` (SGLang's MHA path) - every rank writes its own copy under its *global* TP rank (cp_rank x T +
+  tp_rank of T x C), so CP peers keep separate copies although their KV is identical here;
+* `one` (SGLang's path for rank-replicated KV, MLA's `is_storage_writer`) - CP peers share one key set, which
+  CP rank 0 writes and all of them read. `storage_suffix(..., cp_rank=...)` then puts the CP rank in, as the
+  seed document describes SGLang's Mooncake keys before #20460: the peers look for keys nobody wrote.
 
 Interface (SGLang's HiCacheStorage, batched):
 
@@ -28,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import CacheConfig
+from ..distributed.parallel_state import RankLayout
 from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
@@ -38,6 +43,11 @@ def storage_suffix(model_seed: int, tp_rank: int, tp: int, layers: range, cp_ran
     """What distinguishes one rank's copy of a page from another's; `cp_rank` only to reproduce the bug."""
     suffix = f"m{model_seed}_tp{tp_rank}of{tp}_L{layers.start}-{layers.stop}"
     return suffix if cp_rank is None else f"{suffix}_cp{cp_rank}"
+
+
+def is_storage_writer(cfg: CacheConfig, layout: RankLayout) -> bool:
+    """Whether this rank writes its backups to storage (with `one` writer, CP rank 0 of each CP group)."""
+    return cfg.storage_writers == "every-rank" or layout.cp_rank == 0
 
 
 class FileStorage:

@@ -16,6 +16,7 @@ import torch
 
 from ..config import CacheConfig
 from ..distributed.cache_sync import CacheSync
+from ..errors import AllocationError
 from .base import BaseHiCache
 from .cache_controller import HiCacheController
 from .memory_pool import PageAllocator
@@ -76,9 +77,10 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         if node.parent is not self.tree.root and not node.parent.backuped:
             return 0
         _make_room(self.host_alloc, len(node.key), self.evict_host)
-        host_indices = self.controller.write(node.value, node.id)
+        host_indices = self.reserve(self.host_alloc, len(node.key), f"the host write of node {node.id}")
         if host_indices is None:
             return 0
+        self.controller.write(host_indices, node.value, node.id)
         node.host_value, node.write_pending = host_indices, node.id
         self.ongoing_write_through[node.id] = node
         self.inc_lock_ref(node)
@@ -87,15 +89,41 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
     def _write_back(self, node: TreeNode) -> None:
         """write_back: copy an evicting node to the host now and wait for it (if the host has room)."""
         _make_room(self.host_alloc, len(node.key), self.evict_host)
-        written = self.controller.write(node.value, node.id, False)
-        if written is not None:
-            node.host_value, ack = written
+        host_indices = self.reserve(self.host_alloc, len(node.key), f"the write-back of node {node.id}")
+        if host_indices is not None:
+            node.host_value = host_indices
+            ack = self.controller.write(host_indices, node.value, node.id, False)
             ack.finish_event.synchronize()
             self.controller.verify(ack, "write-back")
             self.tree.track_duplicate(node)  # for the moment until its device copy goes
             if self.storage is not None:  # SGLang's _evict_write_back -> write_backup_storage
                 self.storage.backup(node)
                 self.tree.protect_host(node)
+
+    # -- slots for copies ----------------------------------------------------------------------------
+
+    def allocate(self, alloc: PageAllocator, num_tokens: int) -> torch.Tensor | None:
+        """This rank's own allocation for a copy (where `--fault alloc-fail` makes one fail)."""
+        return alloc.alloc(num_tokens)
+
+    def reserve(self, alloc: PageAllocator, num_tokens: int, what: str) -> torch.Tensor | None:
+        """Slots for a copy, on every rank or on none (`CacheSync.agree_allocation`; SGLang #31425's reserve,
+        agree, then commit or abort): where a peer failed, this rank frees what it got. A later stage told to
+        go ahead by PP rank 0 while its own allocation failed retries once, and otherwise stops the run."""
+        slots = self.allocate(alloc, num_tokens)
+        if self.sync.agree_allocation(slots is not None) == (slots is not None):
+            return slots
+        if slots is not None:
+            alloc.free(slots)
+            return None
+        slots = self.allocate(alloc, num_tokens)
+        if slots is None:
+            raise AllocationError(
+                f"{alloc.name} has no room for {what} ({num_tokens} tokens, {alloc.available_size()} free), which "
+                "PP rank 0 and its peers agreed to start; a later stage cannot refuse it (the pool is full here alone: "
+                "a fault, or pools of different sizes; give every rank the same --max-total-tokens and --hicache-ratio)"
+            )
+        return slots
 
     # -- acks ----------------------------------------------------------------------------------------
 
@@ -154,16 +182,18 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             self.controller.finished_acks(self.controller.ack_load_queue),
         )
         local = {"write": self.ready[0], "load": self.ready[1]}
+        in_flight = {"write": len(self.ongoing_write_through), "load": len(self.ongoing_load_back)}
         if self.storage is not None:
             local["prefetch_hit"] = self.storage.queries_done()
             local["backup"] = self.storage.backups_done()
+            in_flight.update(prefetch_hit=len(self.storage.queries), backup=len(self.storage.backups))
         if not self.sync.polls_locally():
             local = dict.fromkeys(local, 0)
-        agreed = self.sync.agree_ack_counts(local)
+        agreed = self.sync.agree_ack_counts(local, in_flight)
         self._consume_writes(agreed["write"])
         self.loading_check(agreed["load"])
         if self.storage is not None:
-            self.storage.take_queries(agreed["prefetch_hit"], self.evict_host)
+            self.storage.take_queries(agreed["prefetch_hit"], self.evict_host, self.allocate)
             for node in self.storage.release_backups(agreed["backup"]):
                 self.tree.release_host(node)
         return agreed["write"], agreed["load"]
@@ -309,12 +339,13 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         for n in nodes_to_load:
             self.tree.protect_host(n)
         _make_room(self.device_alloc, len(host_indices), self.evict)
-        device_indices = self.controller.load(host_indices, last_hit.id)
+        device_indices = self.reserve(self.device_alloc, len(host_indices), f"the load back of node {last_hit.id}")
         for n in nodes_to_load:
             self.tree.release_host(n)
         self.dec_lock_ref(ancestor)
         if device_indices is None:
             return None
+        self.controller.load(host_indices, device_indices, last_hit.id)
         offset = 0
         for n in nodes_to_load:
             n.value = device_indices[offset : offset + len(n.host_value)]

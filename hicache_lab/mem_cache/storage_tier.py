@@ -2,8 +2,10 @@
 
 * **Backup** - once a node's host write is acknowledged (with the upper halves split off it meanwhile), or a
   write_back eviction has copied it to the host, its pages go to storage. The host copy is protected
-  (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. CP
-  peers hold identical KV, so page i is written by CP rank i mod cp only; the others skip it.
+  (`host_ref`) until the backup is acknowledged; acks are consumed by an agreed count, like write acks. Every
+  rank writes its own copy (`--hicache-storage-writers every-rank`, SGLang's MHA path), or CP rank 0 alone for
+  its CP group (`one`, SGLang's `is_storage_writer` for rank-replicated KV): the others queue and acknowledge
+  the backup without writing (SGLang's `backup_skip`).
 * **Prefetch** (SGLang 0.5.23's flow) - when a request arrives, the prefetch thread asks storage how many leading
   pages of the part of its prompt the tree does not hold it has, and agrees on the MIN with its peers on its own
   gloo groups, across stages too (a background thread is not held by the pipeline). The scheduler takes the
@@ -92,14 +94,13 @@ class StorageTier:
         host_alloc: PageAllocator,
         sync: CacheSync,
         *,
-        cp_rank: int,
-        cp_size: int,
+        writer: bool,
         seed: int,
         rank: int,
     ):
         self.cfg, self.backend = cfg, backend
         self.host_pool, self.host_alloc, self.sync = host_pool, host_alloc, sync
-        self.cp_rank, self.cp_size = cp_rank, cp_size
+        self.writer = writer  # whether this rank's backups write (is_storage_writer)
         self.rng = np.random.default_rng([seed, rank, 3])
         self.step = 0
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
@@ -153,9 +154,8 @@ class StorageTier:
             op.due = self._due(self.backups[-2].due if len(self.backups) > 1 else 0)
 
     def _write(self, op: BackupOp) -> None:
-        mine = range(self.cp_rank, len(op.pages), self.cp_size)
-        written = self.backend.batch_set([op.hashes[i] for i in mine], self.host_pool, [op.pages[i] for i in mine])
-        self.stats.pages_backed_up += written
+        if self.writer:
+            self.stats.pages_backed_up += self.backend.batch_set(op.hashes, self.host_pool, op.pages)
         op.done.set()
 
     def backups_done(self) -> int:
@@ -214,11 +214,12 @@ class StorageTier:
             done += 1
         return done
 
-    def take_queries(self, count: int, make_room) -> None:
+    def take_queries(self, count: int, make_room, allocate) -> None:
         """The agreed `count` answers, in issue order (waiting for this rank's own where needed): a prefetch
         already ended, or whose hit is below the threshold, is revoked; the others get host slots for their
         hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
-        the threshold) and start reading."""
+        the threshold) and start reading. Allocating needs no agreement of its own: a rank whose `allocate`
+        fails reads nothing, so the pages agreed at admission (`take_prefetch`'s MIN) are none on every rank."""
         ps = self.cfg.page_size
         for op in self.queries[:count]:
             while not op.queried.wait(0.05):
@@ -235,7 +236,12 @@ class StorageTier:
                 self.stats.no_host_room += 1
                 op.hits = 0
                 continue
-            op.host_slots, op.hits = self.host_alloc.alloc(pages * ps), pages
+            op.host_slots = allocate(self.host_alloc, pages * ps)
+            if op.host_slots is None:
+                self.stats.no_host_room += 1
+                op.hits = 0
+                continue
+            op.hits = pages
             if self.threaded:
                 self.queues["read"].put(op)
             else:
@@ -278,13 +284,15 @@ class StorageTier:
     def prefetch_ready(self, rid: int) -> bool:
         """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: PP rank 0 and its
         attention peers decide (MAX of "not ready": no rank stops while another still waits), later stages
-        take their verdict; their own clocks and polls never decide."""
+        take their verdict; their own clocks and polls never decide. With `prefetch_vote` a rank without this
+        prefetch votes too (ready, and 0 pages in `take_prefetch`): where ranks' prefetches differ, every rank
+        still enters the collective, and the pages agreed are none."""
         self._check_worker()
         op = self.prefetches.get(rid)
-        if op is None:
-            return True
-        complete = op.hits is not None and (op.failed or op.arrived >= op.hits)
-        if self.cfg.prefetch_policy == "best_effort":
+        if op is None and "prefetch_vote" not in self.sync.fixes:
+            return True  # before the collective: a peer that has this prefetch waits in it alone (#38273)
+        complete = op is None or (op.hits is not None and (op.failed or op.arrived >= op.hits))
+        if op is None or self.cfg.prefetch_policy == "best_effort":
             ready = True
         elif self.cfg.prefetch_policy == "wait_complete":
             ready = complete
@@ -297,9 +305,11 @@ class StorageTier:
         """End request `rid`'s prefetch (after `prefetch_ready`): the op and the pages every rank holds, which the
         worker no longer touches; None without a prefetch."""
         op = self.prefetches.pop(rid, None)
+        if op is None and "prefetch_vote" not in self.sync.fixes:
+            return None
+        (pages,) = self.sync.agree_prefetch_progress([op.arrived if op is not None else 0])
         if op is None:
             return None
-        (pages,) = self.sync.agree_prefetch_progress([op.arrived])
         self._wait_for_pages(op, pages)  # a later stage may hold fewer than stage 0 saw arrive
         with op.lock:
             op.terminated = True
@@ -356,7 +366,7 @@ class StorageTier:
         """Between rounds (no request waiting): take the answers of ended prefetches' queries, complete every
         backup; the backups' nodes."""
         assert not self.prefetches, "prefetches outlive their requests"
-        self.take_queries(len(self.queries), make_room=None)
+        self.take_queries(len(self.queries), make_room=None, allocate=None)
         return self.release_backups(len(self.backups))
 
     def close(self) -> None:

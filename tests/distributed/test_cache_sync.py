@@ -41,7 +41,9 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
         ("no_prefetch_groups", "fixed", ("prefetch_groups",)),
     ):
         sync = CacheSync(mode, groups, _fixes(mode, off), storage=True)
-        out[f"acks/{name}"] = sync.agree_ack_counts(local)
+        out[f"acks/{name}"] = sync.agree_ack_counts(local, in_flight=local)
+        last = groups.layout.tp * groups.layout.cp * groups.layout.pp - 1
+        out[f"allocated/{name}"] = sync.agree_allocation(rank != last)  # the last rank's allocation failed
         out[f"host_capacity/{name}"] = sync.agree_host_capacity(100 * (rank + 1))
         out[f"storage_key/{name}"] = sync.storage_key_cp_rank()
         out[f"storage_hits/{name}"] = sync.agree_storage([7 + rank])
@@ -53,7 +55,7 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
     for name, off in (("bounded", ()), ("polled", ("bounded_drain",))):
         sync = CacheSync("fixed", groups, _fixes("fixed", off))
         for _ in range(3):
-            sync.agree_ack_counts(local)
+            sync.agree_ack_counts(local, in_flight=local)
         held = len(sync.work_list)
         sync.drain_async_work()
         out[f"drain/{name}"] = [held, len(sync.work_list)]
@@ -70,17 +72,17 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
 
 
 def _early_return(rank: int, groups) -> dict[str, list]:
-    """Rank 0 saw nothing finish. With `always_agree` every rank enters the agreement; without it rank 0 returns
-    early, and its next agreement (here, with 1 write finished) meets the one its attention-TP peer (2 writes)
-    is waiting in: rank 1 consumes the MIN with rank 0's next step (SGLang #28430; in the scheduler loop, a
-    deadlock)."""
+    """Rank 0 has nothing in flight. With `always_agree` every rank enters the agreement; without it rank 0
+    returns early (SGLang 0.5.10-0.5.13), and its next agreement (here, with 1 write finished) meets the one its
+    attention-TP peer (2 writes) is waiting in: rank 1 consumes the MIN with rank 0's next step (#26921, #28429;
+    in the scheduler loop, a deadlock)."""
     out = {}
-    for name, off in (("kept", ()), ("dropped", ("always_agree",))):
-        sync = CacheSync("legacy", groups, _fixes("legacy", off))
+    for name, on in (("kept", ("always_agree",)), ("dropped", ())):
+        sync = CacheSync("legacy", groups, _fixes("legacy") | set(on))
         calls = [{"write": 0, "load": 0}] if rank == 0 else [{"write": rank + 1, "load": 0}]
-        if rank == 0 and off:
+        if rank == 0 and not on:
             calls.append({"write": 1, "load": 0})
-        out[f"early_return/{name}"] = [sync.agree_ack_counts(local)["write"] for local in calls]
+        out[f"early_return/{name}"] = [sync.agree_ack_counts(local, in_flight=local)["write"] for local in calls]
         sync.finish()
     return out
 
@@ -170,7 +172,18 @@ def test_consensus_check_passes_equal_values_and_names_the_first_that_differs(wo
     assert got["consensus/differ"] == [f"ranks disagree on digest at step 7: min 0, max {size - 1}"] * size
 
 
-def test_every_rank_enters_the_agreement_even_when_it_saw_nothing_finish(world):
+def test_allocation_succeeds_everywhere_or_nowhere_only_with_the_fix(world):
+    name, got = world
+    if name == "pp3":  # stage 0 decides, later stages take its verdict (stage 2 then retries its own allocation)
+        assert got["allocated/fixed"] == [True] * 3
+        assert got["allocated/legacy"] == [True, True, False]  # each rank its own outcome (#28429)
+    else:  # rank 3 failed: its CP peer (rank 1), then both attention-TP groups abort
+        assert got["allocated/fixed"] == [False] * 4
+        assert got["allocated/no_cp_groups"] == [True, True, False, False]
+        assert got["allocated/legacy"] == [True, True, True, False]
+
+
+def test_every_rank_enters_the_agreement_even_with_nothing_in_flight(world):
     name, got = world
     if name != "tp2cp2":
         return  # attention-TP groups of one rank: nothing to enter

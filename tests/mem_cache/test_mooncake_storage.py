@@ -61,8 +61,9 @@ def test_pages_come_back_from_mooncake_with_exact_outputs(tmp_path):
 
 
 def test_cp_rank_in_mooncake_keys_collapses_hits_and_fixed_keys_do_not(tmp_path):
-    fixed = run_in_namespace(tmp_path / "fixed", "--cp 2")
-    suffixed = run_in_namespace(tmp_path / "suffixed", "--cp 2 --disable-fix storage_keys")
+    one_writer = "--cp 2 --hicache-storage-writers one"  # CP rank 0 writes for its CP group
+    fixed = run_in_namespace(tmp_path / "fixed", one_writer)
+    suffixed = run_in_namespace(tmp_path / "suffixed", f"{one_writer} --disable-fix storage_keys")
     assert fixed["completed"] and fixed["outputs_match_reference"] and not fixed["diverged"]
     assert storage_tokens(fixed) > 0
     assert suffixed["completed"] and storage_tokens(suffixed) == 0

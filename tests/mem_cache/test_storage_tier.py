@@ -50,11 +50,17 @@ def test_cp_peers_with_fixed_keys_hit_like_one_rank(world_config, tmp_path, sing
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)
 
 
-def test_cp_rank_in_storage_keys_collapses_the_storage_hit_rate(world_config, tmp_path):
-    cfg = storage_world(world_config, cp=2, disable_fixes=("storage_keys",))
-    summary = run(cfg, tmp_path, verbose=False)
-    assert summary["completed"] and not summary["diverged"]
-    assert storage_hit(summary) == 0.0  # each peer finds only its own pages: the MIN of hits is 0
+def test_cp_rank_in_storage_keys_collapses_the_hit_rate_only_with_one_writer(world_config, tmp_path):
+    """With one writer per CP group (CP rank 0) the peer looks for keys nobody wrote: the MIN of hits is 0. With
+    every rank writing its own copy (SGLang's MHA keys) the CP rank in the key changes nothing."""
+    hits = {}
+    for writers in ("one", "every-rank"):
+        cfg = storage_world(world_config, cp=2, disable_fixes=("storage_keys",))
+        cfg.cache.storage_writers = writers
+        summary = run(cfg, tmp_path / writers, verbose=False)
+        assert summary["completed"] and not summary["diverged"]
+        hits[writers] = storage_hit(summary)
+    assert hits["one"] == 0.0 and hits["every-rank"] > 0.5
 
 
 def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):

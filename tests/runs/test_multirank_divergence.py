@@ -4,6 +4,7 @@ completes with identical decisions on every rank and outputs that match the refe
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -101,7 +102,9 @@ def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_confi
         assert summaries[name]["completed"], summaries[name]["error"]
         rows[name] = [row for row in read_trace(tmp_path / name) if row["rank"] == 0]
     fixed, polled = rows["fixed"], rows["polled"]
-    assert all(r["relay_sends"] <= r["relay_sent"] for r in fixed) and max(r["relay_sends"] for r in fixed) == 1
+    assert all(r["relay_sends"] <= r["relay_sent"] for r in fixed) and max(r["relay_sends"] for r in fixed) >= 1
     assert summaries["fixed"]["scheduling"]["max_older_relay_sends"] == 0
-    assert [r["relay_sends"] for r in polled] == list(range(1, len(polled) + 1))
-    assert summaries["polled"]["scheduling"]["max_older_relay_sends"] == len(polled) - 1
+    held = [r["relay_sends"] for r in polled]
+    assert held == list(itertools.accumulate(r["relay_sent"] for r in polled))  # every send still held
+    assert held[-1] >= len(polled)  # at least one per step
+    assert summaries["polled"]["scheduling"]["max_older_relay_sends"] == held[-1] - polled[-1]["relay_sent"]
