@@ -31,7 +31,7 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
                         while ranks agree on what is in flight; once something else made that differ (#26921:
                         unagreed load acks; #28429: an allocation that failed on one rank), the rank with
                         nothing in flight skips the collective its peers wait in: a deadlock (#27489 fixed it).
-* `alloc_agreement`   - the slots a copy needs (a write to the host, a load back, a prefetch's host slots) are
+* `alloc_agreement`   - the slots a copy needs (a write to the host, a write-back eviction, a load back) are
                         taken on every rank or on none: each rank allocates, the ranks agree (MIN of success),
                         and where one failed the others free theirs (SGLang #28429, the reserve/commit of
                         #31425). Across stages PP rank 0's verdict is relayed; a later stage whose own

@@ -232,16 +232,12 @@ class StorageTier:
             if self.host_alloc.available_size() < pages * ps:
                 make_room(pages * ps - self.host_alloc.available_size())
             pages = min(pages, self.host_alloc.available_size() // ps)
-            if pages * ps < self.cfg.prefetch_threshold:
+            slots = allocate(self.host_alloc, pages * ps) if pages * ps >= self.cfg.prefetch_threshold else None
+            if slots is None:
                 self.stats.no_host_room += 1
                 op.hits = 0
                 continue
-            op.host_slots = allocate(self.host_alloc, pages * ps)
-            if op.host_slots is None:
-                self.stats.no_host_room += 1
-                op.hits = 0
-                continue
-            op.hits = pages
+            op.host_slots, op.hits = slots, pages
             if self.threaded:
                 self.queues["read"].put(op)
             else:
