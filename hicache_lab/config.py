@@ -31,7 +31,13 @@ SYNC_FIXES = (
 )
 # Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
 LEGACY_FIXES: tuple[str, ...] = ()
-FAULTS = ("kill-rank", "tear-copy", "misplace-copy", "alloc-fail")  # --fault KIND:RANK@N (entrypoints/hooks.py)
+FAULTS = (
+    "kill-rank",
+    "tear-copy",
+    "misplace-copy",
+    "alloc-fail",
+    "damage-page",
+)  # --fault KIND:RANK@N (entrypoints/hooks.py)
 # What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (entrypoints/hooks.py binds it).
 SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
@@ -227,7 +233,8 @@ class ParallelConfig:
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
     pp_async_batch_depth: int = 0  # micro-batch slots beyond pp (SGLang's --pp-async-batch-depth)
     # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write), alloc-fail
-    # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots)
+    # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots), damage-page
+    # (the Nth page it reads from the file store is damaged on disk first)
     fault: str = ""
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
 
@@ -316,6 +323,10 @@ class RunConfig:
         _check(
             not partition or sum(partition) == self.model.num_layers,
             f"--pp-layer-partition {','.join(map(str, partition))} must add up to --num-layers {self.model.num_layers}",
+        )
+        _check(
+            not self.parallel.fault.startswith("damage-page") or self.cache.storage_backend == "file",
+            "--fault damage-page damages a page file: add --hicache-storage-backend file",
         )
         _check(
             self.model.num_heads % self.parallel.tp == 0,

@@ -169,7 +169,8 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
         metavar="KIND:RANK@N",
         help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's "
         "Nth host write, from 0, is torn or lands in the wrong slots), alloc-fail:R@N (rank R's Nth slot allocation "
-        "for a copy fails, as a full pool would: a write to the host, a load back, a prefetch's host slots)",
+        "for a copy fails, as a full pool would: a write to the host, a load back, a prefetch's host slots), "
+        "damage-page:R@N (the Nth page rank R reads from the file store is damaged on disk first: a miss)",
     )
     parser.add_argument(
         "--copy-checksum", action="store_true", help="check every host copy against its source's sha256 (fails at once)"

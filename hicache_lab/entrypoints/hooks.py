@@ -19,6 +19,8 @@ The run checks the targets before it starts, so a typo fails at once (`ConfigErr
 * `--fault alloc-fail:R@N` - rank R's Nth slot allocation for a copy (a write to the host, a load back, a
   prefetch's host slots; from 0) fails, as a full pool would on that rank alone (SGLang #28429, #33442): the
   ranks must agree on it (`alloc_agreement`);
+* `--fault damage-page:R@N` - the Nth page rank R reads from the file store (from 0) has a byte flipped on disk
+  just before the read: the checksum makes it a miss, and the ranks must agree that it did not arrive;
 * `--skip-load-wait` - the forward pass reads loaded KV without waiting for the load (the oracle must fail).
 """
 
@@ -40,6 +42,7 @@ from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
 from ..mem_cache.base import BasePrefixCache
 from ..mem_cache.cache_controller import HiCacheController
+from ..mem_cache.hicache_storage import FileStorage
 from ..mem_cache.hiradix_cache import HiRadixCache
 
 log = logging.getLogger(__name__)
@@ -92,6 +95,8 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
         loop.on_iteration.append(partial(_kill_at, n))
     elif kind == "alloc-fail" and isinstance(cache, HiRadixCache):
         _fail_allocation(cache, n)
+    elif kind == "damage-page" and isinstance(cache, HiRadixCache) and cache.storage is not None:
+        _damage_page(cache.storage.backend, n)
     elif isinstance(cache, HiRadixCache):
         _bad_write(cache.controller, kind, n)
 
@@ -142,3 +147,17 @@ def _fail_allocation(cache: HiRadixCache, n: int) -> None:
         return allocate(alloc, num_tokens)
 
     cache.allocate = hooked
+
+
+def _damage_page(backend: FileStorage, n: int) -> None:
+    """The Nth page asked of the backend (from 0) finds its file damaged: one payload byte flipped on disk."""
+    batch_get, asked = backend.batch_get, [0]
+
+    def hooked(hashes, host, page_slots):
+        if asked[0] <= n < asked[0] + len(hashes):
+            backend.damage(hashes[n - asked[0]])
+            log.warning("--fault damage-page: page %s damaged before it is read", hashes[n - asked[0]][:12])
+        asked[0] += len(hashes)
+        return batch_get(hashes, host, page_slots)
+
+    backend.batch_get = hooked

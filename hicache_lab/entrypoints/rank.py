@@ -46,7 +46,7 @@ def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, d
     tp_rank, tp = layout.tp_rank, layout.tp
     if c.storage_writers == "every-rank":
         tp_rank, tp = layout.cp_rank * layout.tp + layout.tp_rank, layout.tp * layout.cp
-    suffix = storage_suffix(cfg.model.seed, tp_rank, tp, layers, sync.storage_key_cp_rank())
+    suffix = storage_suffix(cfg.model, tp_rank, tp, layers, sync.storage_key_cp_rank())
     if c.storage_backend == "mooncake":
         return MooncakeStorage(c.mooncake_master, c.mooncake_metadata_url, suffix, kv.bytes_per_token * c.page_size)
     backend = FileStorage(directory, suffix)

@@ -1,7 +1,8 @@
 """L3 storage backends: where host pages go to outlive the host pool (and the process).
 
 A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming the
-model, the TP shard and the PP stage's layers. Who writes (`is_storage_writer`, `--hicache-storage-writers`):
+model (a fingerprint of everything in its config that changes the bytes, and the dtype: SGLang's keys leave the
+dtype out, #33268), the TP shard and the PP stage's layers. Who writes (`is_storage_writer`, `--hicache-storage-writers`):
 
 * `every-rank` (SGLang's MHA path) - every rank writes its own copy under its *global* TP rank (cp_rank x T +
   tp_rank of T x C), so CP peers keep separate copies although their KV is identical here;
@@ -17,31 +18,44 @@ Interface (SGLang's HiCacheStorage, batched):
 * `clear()`, `stats`.
 
 `FileStorage` keeps one file per page and shard, written atomically (temporary file, then rename) with a
-sha256 of its payload; a missing, truncated or corrupted file is a miss (logged), never wrong data.
+sha256 of its key and payload, so a page proves both its bytes and whose they are: a missing, truncated,
+corrupted or misnamed file (a valid page copied over another), or one that is not a regular file, is a miss
+(logged), never wrong data, and never a blocking read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import logging
 import os
+import stat
 import tempfile
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig
+from ..config import CacheConfig, ModelConfig
 from ..distributed.parallel_state import RankLayout
 from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
-MAGIC = b"HCLP1"  # file format tag: magic, 32-byte sha256 of the payload, payload (float32 K/V of one page)
+MAGIC = b"HCLP2"  # file format tag: magic, 32-byte sha256 of key and payload, payload (float32 K/V of one page)
+KV_DTYPE = "float32"  # what the pools hold (memory_pool.py); part of every key
 
 
-def storage_suffix(model_seed: int, tp_rank: int, tp: int, layers: range, cp_rank: int | None = None) -> str:
+def model_fingerprint(model: ModelConfig) -> str:
+    """12 hex digits naming the weights and shape of `model` and the KV dtype: two models share keys only if
+    every field that changes a page's bytes is equal."""
+    fields = json.dumps({**dataclasses.asdict(model), "kv_dtype": KV_DTYPE}, sort_keys=True)
+    return hashlib.sha256(fields.encode()).hexdigest()[:12]
+
+
+def storage_suffix(model: ModelConfig, tp_rank: int, tp: int, layers: range, cp_rank: int | None = None) -> str:
     """What distinguishes one rank's copy of a page from another's; `cp_rank` only to reproduce the bug."""
-    suffix = f"m{model_seed}_tp{tp_rank}of{tp}_L{layers.start}-{layers.stop}"
+    suffix = f"m{model_fingerprint(model)}_tp{tp_rank}of{tp}_L{layers.start}-{layers.stop}"
     return suffix if cp_rank is None else f"{suffix}_cp{cp_rank}"
 
 
@@ -72,7 +86,7 @@ class FileStorage:
 
     def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         for i, (page_hash, slots) in enumerate(zip(hashes, page_slots, strict=True)):
-            data = self._read(self._path(page_hash), host.page_shape(len(slots)))
+            data = self._read(page_hash, host.page_shape(len(slots)))
             if data is None:
                 self.stats["read_misses"] += 1
                 return i
@@ -83,7 +97,7 @@ class FileStorage:
     def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         for i, (page_hash, slots) in enumerate(zip(hashes, page_slots, strict=True)):
             try:
-                self._write(self._path(page_hash), host.page_data(slots))
+                self._write(page_hash, host.page_data(slots))
             except OSError as exc:  # disk full, unwritable directory: the page is simply not stored
                 log.warning("storage write of %s failed: %s", page_hash[:12], exc)
                 self.stats["write_failures"] += 1
@@ -98,30 +112,52 @@ class FileStorage:
     def close(self) -> None:
         pass
 
-    def _write(self, path: Path, data: torch.Tensor) -> None:
+    def damage(self, page_hash: str) -> None:
+        """Flip one payload byte of a stored page in place (`--fault damage-page`); a page not stored stays so."""
+        path = self._path(page_hash)
+        if path.is_file():
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+
+    def _key(self, page_hash: str) -> bytes:
+        return f"{page_hash}_{self.suffix}".encode()
+
+    def _write(self, page_hash: str, data: torch.Tensor) -> None:
         payload = data.contiguous().numpy().tobytes()
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(payload).digest() + payload)
-            os.replace(tmp, path)  # atomic: a reader sees the old file, the new one, or none
+                f.write(MAGIC + hashlib.sha256(self._key(page_hash) + payload).digest() + payload)
+            os.replace(tmp, self._path(page_hash))  # atomic: a reader sees the old file, the new one, or none
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def _read(self, path: Path, shape: tuple[int, ...]) -> torch.Tensor | None:
-        try:
-            raw = path.read_bytes()
+    def _read(self, page_hash: str, shape: tuple[int, ...]) -> torch.Tensor | None:
+        path, expected = self._path(page_hash), len(MAGIC) + 32 + 4 * torch.Size(shape).numel()
+        try:  # non-blocking, and regular files only: a FIFO or device under a page's name must not stall a read
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                log.warning("storage page %s is not a regular file: treated as a miss", path.name)
+                self.stats["corrupted"] += 1
+                return None
+            raw = f.read(expected + 1)
         start = len(MAGIC) + 32
         payload, checksum = raw[start:], raw[len(MAGIC) : start]
-        expected = 4 * torch.Size(shape).numel()
-        if raw[: len(MAGIC)] != MAGIC or len(payload) != expected or hashlib.sha256(payload).digest() != checksum:
-            log.warning("storage page %s is truncated or corrupted: treated as a miss", path.name)
-            self.stats["corrupted"] += 1
-            return None
-        return torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape)
+        if raw[: len(MAGIC)] != MAGIC or len(raw) != expected:
+            log.warning("storage page %s is truncated or not a page file: treated as a miss", path.name)
+        elif hashlib.sha256(self._key(page_hash) + payload).digest() != checksum:
+            log.warning("storage page %s is corrupted, or another page's: treated as a miss", path.name)
+        else:
+            return torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape)
+        self.stats["corrupted"] += 1
+        return None
 
 
 class MooncakeStorage:

@@ -1,10 +1,15 @@
-"""The file backend: exact round trips, leading-page semantics, and damaged files read as misses."""
+"""The file backend: exact round trips, leading-page semantics, and damaged, misnamed or special files read as
+misses."""
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import torch
 
-from hicache_lab.mem_cache.hicache_storage import FileStorage, storage_suffix
+from hicache_lab.config import ModelConfig
+from hicache_lab.mem_cache.hicache_storage import FileStorage, model_fingerprint, storage_suffix
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool
 from hicache_lab.mem_cache.memory_pool_host import HostKVPool
 from hicache_lab.mem_cache.radix_tree import page_hashes
@@ -44,7 +49,7 @@ def test_damaged_files_are_misses_not_data(tmp_path):
     hashes = page_hashes(tuple(range(12)), 4)
     store.batch_set(hashes, host, pages(3))
     before = host.page_data(torch.arange(20, 24)).clone()
-    (tmp_path / f"{hashes[1]}_s.bin").write_bytes(b"HCLP1" + b"\0" * 40)  # truncated
+    (tmp_path / f"{hashes[1]}_s.bin").write_bytes(b"HCLP2" + b"\0" * 40)  # truncated
     assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 1
     assert torch.equal(host.page_data(torch.arange(20, 24)), before), "nothing written past the damage"
     path = tmp_path / f"{hashes[0]}_s.bin"
@@ -56,7 +61,32 @@ def test_damaged_files_are_misses_not_data(tmp_path):
 
 
 def test_keys_name_model_shard_and_stage_but_not_the_cp_rank():
-    fixed = storage_suffix(0, tp_rank=1, tp=2, layers=range(0, 2))
-    assert fixed == "m0_tp1of2_L0-2"
-    assert storage_suffix(0, 1, 2, range(0, 2), cp_rank=1).endswith("_cp1")
-    assert storage_suffix(0, 1, 2, range(2, 4)) != fixed
+    model = ModelConfig()
+    fixed = storage_suffix(model, tp_rank=1, tp=2, layers=range(0, 2))
+    assert fixed == f"m{model_fingerprint(model)}_tp1of2_L0-2"
+    assert storage_suffix(model, 1, 2, range(0, 2), cp_rank=1).endswith("_cp1")
+    assert storage_suffix(model, 1, 2, range(2, 4)) != fixed
+
+
+def test_every_field_that_changes_the_bytes_changes_the_key():
+    base = model_fingerprint(ModelConfig())
+    for change in ({"mlp_size": 64}, {"seed": 1}, {"rope_theta": 500.0}, {"num_layers": 2}, {"vocab_size": 128}):
+        assert model_fingerprint(ModelConfig(**change)) != base, change
+    assert model_fingerprint(ModelConfig()) == base, "the same model keeps its keys"
+
+
+def test_a_valid_page_under_another_pages_name_is_a_miss(tmp_path):
+    host, store = host_pool(), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(8)), 4)
+    store.batch_set(hashes, host, pages(2))
+    shutil.copy(tmp_path / f"{hashes[0]}_s.bin", tmp_path / f"{hashes[1]}_s.bin")  # intact bytes, wrong key
+    assert store.batch_get(hashes, host, [p + 16 for p in pages(2)]) == 1
+    assert store.stats["corrupted"] == 1
+
+
+def test_a_fifo_under_a_pages_name_is_a_miss_not_a_blocking_read(tmp_path):
+    host, store = host_pool(), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(8)), 4)
+    store.batch_set(hashes[:1], host, pages(1))
+    os.mkfifo(tmp_path / f"{hashes[1]}_s.bin")  # nobody ever writes to it: a blocking open would wait forever
+    assert store.batch_get(hashes, host, [p + 16 for p in pages(2)]) == 1
