@@ -16,6 +16,7 @@ table is `table()` of them (a test keeps the two equal).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -120,10 +121,8 @@ def reap_session(sid: int) -> list[str]:
     while (alive := session_processes(sid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in alive:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     return [f"pid {pid}: {command}" for pid, command in alive.items()]
 
 

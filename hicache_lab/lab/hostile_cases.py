@@ -10,11 +10,11 @@ from pathlib import Path
 
 from .hostile import Hostile, lab
 
-R = (
-    "run --num-clients 4 --num-rounds 3 --enable-hierarchical-cache --hicache-storage-backend file "
-    "--hicache-storage-dir store --flush-cache-between-rounds --storage-prefetch-threshold 16 "
-    "--hicache-storage-prefetch-policy wait_complete"
-).split()
+R = [
+    *("run", "--num-clients", "4", "--num-rounds", "3", "--enable-hierarchical-cache"),
+    *("--hicache-storage-backend", "file", "--hicache-storage-dir", "store", "--flush-cache-between-rounds"),
+    *("--storage-prefetch-threshold", "16", "--hicache-storage-prefetch-policy", "wait_complete"),
+]
 STORE = ("out", "store", "first")  # what a storage case's runs own
 
 

@@ -2,7 +2,8 @@
 
 A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming the
 model (a fingerprint of everything in its config that changes the bytes, and the dtype: SGLang's keys leave the
-dtype out, #33268), the TP shard and the PP stage's layers. Who writes (`is_storage_writer`, `--hicache-storage-writers`):
+dtype out, #33268), the TP shard and the PP stage's layers. Who writes (`is_storage_writer`,
+`--hicache-storage-writers`):
 
 * `every-rank` (SGLang's MHA path) - every rank writes its own copy under its *global* TP rank (cp_rank x T +
   tp_rank of T x C), so CP peers keep separate copies although their KV is identical here;
