@@ -6,11 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from pathlib import Path
 
 from .entrypoints.args import add_run_flags, config_from_args
+from .entrypoints.ending import Interrupted
 from .entrypoints.launch import run, run_under_torchrun
+from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate
 from .errors import ConfigError
 from .lab.conformance import add_conform_flags, cmd_conform
@@ -21,11 +24,46 @@ from .lab.sglang import compare_with_sglang, read_bench_multiturn
 from .lab.soak import add_soak_flags, cmd_soak
 from .lab.zoo import add_zoo_flags, cmd_zoo
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def started_by_torchrun(environ: dict[str, str]) -> bool:
+    """Whether this process is one rank of a world torchrun started: RANK < WORLD_SIZE (> 1), MASTER_ADDR and
+    MASTER_PORT set. With neither RANK nor WORLD_SIZE it runs a world of its own. Anything between (an `export`
+    left in a shell, a typo) is a ConfigError naming the variables: guessing either way would hang or mislead."""
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return False
+
+    def integer(name: str) -> int | None:
+        try:
+            return int(environ[name])
+        except (KeyError, ValueError):
+            return None
+
+    rank, world, port = integer("RANK"), integer("WORLD_SIZE"), integer("MASTER_PORT")
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        problem = f"{'WORLD_SIZE' if 'RANK' in environ else 'RANK'} is missing"
+    elif world is None or world < 1:
+        problem = "WORLD_SIZE is not a positive integer"
+    elif rank is None or not 0 <= rank < world:
+        problem = f"RANK is not an integer in 0..{world - 1} (WORLD_SIZE {world})"
+    elif world > 1 and not environ.get("MASTER_ADDR"):
+        problem = "MASTER_ADDR is missing"
+    elif world > 1 and (port is None or not 1 <= port <= 65535):
+        problem = "MASTER_PORT is not a port number"
+    else:
+        return world > 1
+    seen = ", ".join(f"{name}={environ[name]!r}" for name in TORCHRUN_VARIABLES if name in environ)
+    raise ConfigError(
+        f"the environment says this is a torchrun rank, but {problem} ({seen}): to run on its own, "
+        f"unset {' '.join(TORCHRUN_VARIABLES)}; or start it under torchrun"
+    )
+
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     sglang = read_bench_multiturn(args.compare_sglang) if args.compare_sglang else None  # a bad log fails first
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # started by torchrun
+    if started_by_torchrun(os.environ):
         summary = run_under_torchrun(cfg, Path(args.out))
         if summary is None:
             return 0
@@ -34,7 +72,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
     if sglang is not None:
         compare_with_sglang(summary, sglang, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
-    return 0 if summary["completed"] and summary["outputs_match_reference"] is not False else 1
+    if summary["interrupted"] and not summary["crashed"]:
+        return 128 + signal.Signals[summary["interrupted"]]  # 130 for SIGINT, as a shell reports Ctrl-C
+    return (
+        0
+        if summary["completed"]
+        and summary["outputs_match_reference"] is not False
+        and all(f["fired"] is not False for f in summary.get("faults", ()))  # every fault asked for came
+        else 1
+    )
 
 
 DEMO_RUNS = (  # (directory, label, hierarchical cache, sync)
@@ -115,10 +161,19 @@ def main(argv: list[str] | None = None) -> int:
     conform_parser.set_defaults(func=cmd_conform)
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "out", None) is not None and not args.out.strip():
+            raise ConfigError("--out '' names no directory (it would be the working directory): give one")
         return args.func(args)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return 2
+    except OutputError as exc:  # a file of the run could not be written (a full disk)
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (Interrupted, KeyboardInterrupt) as exc:  # before a world started, or after it ended
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
 
 
 if __name__ == "__main__":

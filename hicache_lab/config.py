@@ -6,7 +6,12 @@ start instead of corrupting a pool later.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+import os
+import tempfile
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 from .errors import ConfigError
 from .mooncake_trace import trace_lengths
@@ -28,6 +33,7 @@ SYNC_FIXES = (
     "always_agree",
     "alloc_agreement",
     "prefetch_vote",
+    "prefetch_completion",
 )
 # Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
 LEGACY_FIXES: tuple[str, ...] = ()
@@ -45,6 +51,11 @@ STORAGE_BACKENDS = ("none", "file", "mooncake")
 STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
+MAX_COLLECTIVE_TIMEOUT_S = 86_400  # a bound, not a wish: no rank waits longer than this for a peer
+MAX_ASYNC_BATCH_DEPTH = 64  # micro-batch slots beyond --pp; each one costs every stage a loop turn per step
+DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
+RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
+PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
 
 
 def _check(ok: bool, message: str) -> None:
@@ -54,6 +65,32 @@ def _check(ok: bool, message: str) -> None:
 
 def _check_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
     _check(value in choices, f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
+
+
+def _flag(section: object, name: str) -> str:
+    """The flag that sets `section.name` (the table in entrypoints/args.py), or `Class.name` where none does."""
+    from .entrypoints.args import FLAGS, SECTIONS  # the one table from flag to field (it imports this module)
+
+    return next(
+        (flag for flag, s, n, _, _ in FLAGS if n == name and SECTIONS[s] is type(section)),
+        f"{type(section).__name__}.{name}",
+    )
+
+
+def _check_numbers(section: object) -> None:
+    """Every `int` field holds an integer (not a bool) and every `float` field a finite number: what the flags'
+    types ensure on the command line, ensured for a config built in Python too (nan passes every `>=` check)."""
+    for f in fields(section):
+        value = getattr(section, f.name)
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if f.type == "int" and not (number and isinstance(value, numbers.Integral)):
+            raise ConfigError(f"{_flag(section, f.name)} must be an integer, got {value!r}")
+        if f.type == "float" and not (number and math.isfinite(value)):
+            raise ConfigError(f"{_flag(section, f.name)} must be a finite number, got {value!r}")
+
+
+def _check_seed(value: int, flag: str) -> None:
+    _check(0 <= value < 2**63, f"{flag} {value} must be in 0..2**63-1 (numpy's and torch's generators take those)")
 
 
 @dataclass(slots=True)
@@ -70,7 +107,13 @@ class ModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.num_layers >= 1, "--num-layers must be at least 1")
+        _check_numbers(self)
+        for name in ("num_layers", "hidden_size", "num_heads", "mlp_size"):
+            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        _check(self.vocab_size >= 2, "--vocab-size must be at least 2 (greedy sampling needs a choice)")
+        _check(self.rope_theta > 0, "ModelConfig.rope_theta must be > 0")
+        _check(self.logit_scale > 0, "ModelConfig.logit_scale must be > 0")
+        _check_seed(self.seed, "--model-seed")
         _check(
             self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
             f"--hidden-size {self.hidden_size} must split into --num-heads {self.num_heads} heads of even size",
@@ -113,13 +156,20 @@ class CacheConfig:
     flush_between_rounds: bool = False  # drop device and host caches between rounds: hits must come from L3
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         _check(self.page_size >= 1, "--page-size must be at least 1")
+        _check(
+            self.max_total_tokens >= self.page_size,
+            f"--max-total-tokens {self.max_total_tokens} must hold at least one page (--page-size {self.page_size})",
+        )
         _check(
             self.max_total_tokens % self.page_size == 0,
             f"--max-total-tokens {self.max_total_tokens} is not a multiple of --page-size {self.page_size}: "
-            f"use {self.max_total_tokens // self.page_size * self.page_size or self.page_size}",
+            f"use {self.max_total_tokens // self.page_size * self.page_size}",
         )
-        _check(self.max_total_tokens >= self.page_size, "--max-total-tokens must hold at least one page")
+        _check(self.hicache_ratio > 0, f"--hicache-ratio {self.hicache_ratio} must be > 0")
+        _check(self.load_back_threshold >= 0, "--load-back-threshold must be >= 0 (tokens)")
+        _check(self.prefetch_timeout_steps >= 0, "--storage-prefetch-timeout-steps must be >= 0")
         _check_choice(self.write_policy, WRITE_POLICIES, "--hicache-write-policy")
         _check_choice(self.host_layout, HOST_LAYOUTS, "--hicache-mem-layout")
         _check_choice(self.latency, LATENCY_MODELS, "--latency")
@@ -141,6 +191,11 @@ class CacheConfig:
         _check(
             bool(self.mooncake_master) == bool(self.mooncake_metadata_url),
             "give --mooncake-master and --mooncake-metadata-url together (or neither, to start a master)",
+        )
+        host, _, port = self.mooncake_master.rpartition(":")
+        _check(
+            not self.mooncake_master or (bool(host) and port.isdigit() and 1 <= int(port) <= 65535),
+            f"--mooncake-master {self.mooncake_master!r}: write HOST:PORT, e.g. 127.0.0.1:50051",
         )
         if self.enable_hierarchical_cache and self.hicache_size_gb == 0:
             _check(
@@ -182,6 +237,8 @@ class WorkloadConfig:
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
+        _check_seed(self.seed, "--seed")
         for name in (
             "num_clients",
             "num_rounds",
@@ -201,7 +258,8 @@ class WorkloadConfig:
             windows, requests = self.num_rounds if self.round_barrier else 1, len(self._trace_lengths())
             _check(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
 
-    def _trace_lengths(self) -> tuple[int, ...]:
+    def _trace_lengths(self) -> tuple[tuple[int, int], ...]:
+        """(line, tokens of KV) of every request of the trace."""
         return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
 
     @property
@@ -212,7 +270,7 @@ class WorkloadConfig:
     def longest_sequence(self) -> int:
         """Tokens of KV held by the longest request: with conversations, the last round's prompt plus output."""
         if self.trace_file:
-            return max(self._trace_lengths())
+            return max(tokens for _, tokens in self._trace_lengths())
         per_round = self.output_length + self.sub_question_input_length
         return self.request_length + (self.num_rounds - 1) * per_round + self.output_length
 
@@ -239,13 +297,24 @@ class ParallelConfig:
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
 
     def __post_init__(self) -> None:
+        _check_numbers(self)
         for name in ("tp", "cp", "pp"):
             _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
         _check_choice(self.sync, SYNC_MODES, "--sync")
         _check_choice(self.device, DEVICES, "--device")
         _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
+        _check(
+            self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S,
+            f"--collective-timeout {self.collective_timeout_s:g} s: a stuck collective would hang that long; "
+            f"give at most {MAX_COLLECTIVE_TIMEOUT_S} s (a day)",
+        )
         _check(self.consensus_check >= 0, "--consensus-check must be >= 0 (0 turns it off)")
         _check(self.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0")
+        _check(
+            self.pp_async_batch_depth <= MAX_ASYNC_BATCH_DEPTH,
+            f"--pp-async-batch-depth {self.pp_async_batch_depth}: every slot is one more turn of each stage's event "
+            f"loop per step; give at most {MAX_ASYNC_BATCH_DEPTH} (SGLang's default is 0)",
+        )
         for name in (*self.enable_fixes, *self.disable_fixes):
             _check_choice(name, SYNC_FIXES, "fix")
         _check(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
@@ -309,7 +378,15 @@ class RunConfig:
     record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (mem_cache/recording.py) for `conform`
 
     def __post_init__(self) -> None:
-        longest = self.workload.longest_sequence()
+        longest, w = self.workload.longest_sequence(), self.workload
+        if w.trace_file:  # name the longest line, before a rank draws its tokens
+            number, tokens = max(w._trace_lengths(), key=lambda line: line[1])
+            _check(
+                self.cache.max_total_tokens > tokens + self.cache.page_size,
+                f"--trace-file {w.trace_file}:{number}: its request holds {tokens} tokens of KV (prompt and output at "
+                f"--trace-block-tokens {w.trace_block_tokens} per hash id), more than --max-total-tokens "
+                f"{self.cache.max_total_tokens} holds with a page to spare: raise it, or lower --trace-block-tokens",
+            )
         _check(
             self.cache.max_total_tokens > longest + self.cache.page_size,
             f"--max-total-tokens {self.cache.max_total_tokens} cannot hold one request of the workload "
@@ -328,7 +405,65 @@ class RunConfig:
             not self.parallel.fault.startswith("damage-page") or self.cache.storage_backend == "file",
             "--fault damage-page damages a page file: add --hicache-storage-backend file",
         )
+        most_ms = self.parallel.collective_timeout_s * 1e3 / DELAY_TIMEOUT_RATIO
+        _check(
+            self.cache.injected_delay_ms <= most_ms,
+            f"--injected-delay-ms {self.cache.injected_delay_ms:g} is the mean delay of every copy, and a rank waiting "
+            f"on a queue of them sits outside the collectives its peers wait in: keep it under 1/{DELAY_TIMEOUT_RATIO} "
+            f"of --collective-timeout ({most_ms:g} ms for {self.parallel.collective_timeout_s:g} s), or raise that",
+        )
         _check(
             self.model.num_heads % self.parallel.tp == 0,
             f"--num-heads {self.model.num_heads} must be divisible by --tp {self.parallel.tp}",
         )
+
+    def memory_needed(self) -> dict[str, tuple[float, str, bool]]:
+        """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}.
+        Enough to refuse at start a world this machine cannot hold (entrypoints/launch.preflight); not a budget."""
+        m, c, w, p = self.model, self.cache, self.workload, self.parallel
+        ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
+        layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
+        kv = 2 * layers * heads * m.head_dim * 4 + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token, fp32
+        host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
+        host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
+        d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
+        weights = ranks * 4 * (2 * v * d + layers * layer / p.tp + layer)  # embeddings, lm_head, a stage's shard
+        weights += stage * 4 * (2 * v * d + m.num_layers * layer) if self.check_outputs else 0  # the oracle's model
+        lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
+        requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
+        longest, chunk = max(lengths), min(w.chunk_size or max(lengths), max(lengths))
+        token_bytes = 8 if v <= 256 else 36  # a list entry, and past the small-int cache an int object
+        logits, tokens = stage * requests * w.output_length * v * 4, stage * 2 * requests * longest * token_bytes
+        host_flag = "--hicache-size" if c.hicache_size_gb > 0 else "--hicache-ratio (x --max-total-tokens)"
+        requests_flag = "the trace's requests" if w.trace_file else "--num-clients x --num-rounds"
+        return {
+            "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens", True),
+            "host KV pools": (ranks * host, host_flag, False),
+            "model weights": (weights, "--vocab-size, --hidden-size, --mlp-size, --num-layers", True),
+            "logits of every output": (logits, f"--vocab-size, --output-length, {requests_flag}", False),
+            "attention of one prefill": (ranks * 3 * heads * chunk * longest * 4, "--chunked-prefill-size", True),
+            "the workload's tokens": (tokens, f"{requests_flag}, their lengths", False),
+            "rank processes": ((ranks + (ranks > 1)) * RANK_PROCESS_BYTES, "--tp x --cp x --pp", False),
+        }
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """`path` is a directory this process can create files in, or the nearest directory above it is (it will
+    be created there). A ConfigError naming `flag` otherwise: a file, a read-only disk, another user's
+    directory. A relative path starts at the working directory, which the message then names."""
+    path = Path(path)
+    whole = path.absolute()
+    nearest = next(p for p in (whole, *whole.parents) if p.exists())
+    where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    elsewhere = "" if path.is_absolute() else ", or run from a writable working directory"
+    _check(nearest == whole or nearest.is_dir(), f"{flag} {path}: {nearest} is a file, not a directory{where}")
+    _check(nearest.is_dir(), f"{flag} {path} is a file: give a directory")
+    try:
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise PermissionError("this user may not")
+        tempfile.TemporaryFile(dir=nearest).close()  # root passes os.access on a read-only or virtual file system
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path} is not writable{where}: cannot create a file in {nearest} ({e.strerror or e}); "
+            f"give {flag} a directory you can write{elsewhere}"
+        ) from e

@@ -8,6 +8,8 @@
 prefix. The lab scales a trace down: each id becomes `--trace-block-tokens` tokens, drawn from a generator
 seeded by the id (equal ids, equal tokens), input and output lengths scale by the same factor, and outputs are
 capped at `--output-length`. Requests are replayed in timestamp order (`managers/workload.MooncakeWorkload`).
+Every line is checked field by field (`parse_line`) and every request's length against the pools before a
+token is drawn, so a bad trace fails at start, naming its line.
 """
 
 from __future__ import annotations
@@ -32,60 +34,127 @@ class TraceRequest:
     output_length: int
 
 
+@dataclass(frozen=True)
+class TraceLine:
+    """One line of a trace as written, every field checked (`parse_line`): what it asks for, known before any
+    token is drawn."""
+
+    number: int  # in the file, from 1
+    timestamp: float
+    hash_ids: tuple[int, ...]
+    input_length: int
+    output_length: int
+
+    def prompt_length(self, block_tokens: int) -> int:
+        """Prompt tokens at `block_tokens` per hash id (input scaled like the ids, at least 1)."""
+        return max(1, -(-self.input_length * block_tokens // MOONCAKE_BLOCK_TOKENS))
+
+    def scaled_output(self, block_tokens: int, max_output: int) -> int:
+        return max(1, min(max_output, -(-self.output_length * block_tokens // MOONCAKE_BLOCK_TOKENS)))
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite(text: str) -> float:
+    if not math.isfinite(value := float(text)):
+        raise ValueError(f"{text} is beyond a double")
+    return value
+
+
 def read_jsonl(path: str, flag: str) -> list[tuple[int, dict]]:
-    """(line number, object) for every non-blank line; a ConfigError naming `flag` and the line otherwise."""
+    """(line number, object) for every non-blank line; a ConfigError naming `flag` and the line otherwise
+    (NaN, Infinity and numbers beyond a double included: Python's json takes them)."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError(f"{flag} {path}: no such file")
+        raise ConfigError(f"{flag} {path}: no such file" if not file.exists() else f"{flag} {path}: not a file")
     rows = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{flag} {path}:{number}: not JSON ({e.msg}); the file needs one object per line") from e
-        if not isinstance(row, dict):
-            raise ConfigError(f"{flag} {path}:{number}: expected a JSON object, got {type(row).__name__}")
-        rows.append((number, row))
+    with file.open("rb") as lines:
+        for number, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw.decode(), parse_constant=_no_constant, parse_float=_finite)
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"{flag} {path}:{number}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+            except RecursionError as e:
+                raise ConfigError(f"{flag} {path}:{number}: nested too deeply to be a record") from e
+            except ValueError as e:  # json.JSONDecodeError, or a constant or float refused above
+                reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+                raise ConfigError(
+                    f"{flag} {path}:{number}: not JSON ({reason}); the file needs one object per line"
+                ) from e
+            if not isinstance(row, dict):
+                raise ConfigError(f"{flag} {path}:{number}: expected a JSON object, got {type(row).__name__}")
+            rows.append((number, row))
     if not rows:
         raise ConfigError(f"{flag} {path}: the file holds no lines")
     return rows
+
+
+def is_integer(value: object) -> bool:
+    """A JSON integer: Python's bool is an int, JSON's true is not."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def parse_line(number: int, row: dict, path: str) -> TraceLine:
+    """Line `number` of a trace, field by field; a ConfigError naming the file, the line and the field."""
+    where = f"--trace-file {path}:{number}"
+    ids, length = row.get("hash_ids"), row.get("input_length")
+    if not (isinstance(ids, list) and ids):
+        raise ConfigError(f"{where}: needs a non-empty 'hash_ids' list of non-negative integers (Mooncake format)")
+    if (bad := next((i for i, v in enumerate(ids) if not (is_integer(v) and v >= 0)), None)) is not None:
+        raise ConfigError(f"{where}: 'hash_ids'[{bad}] is {ids[bad]!r}, not a non-negative integer (Mooncake format)")
+    if not (is_integer(length) and 0 < length <= len(ids) * MOONCAKE_BLOCK_TOKENS):
+        raise ConfigError(
+            f"{where}: 'input_length' must be an integer in 1..{len(ids) * MOONCAKE_BLOCK_TOKENS} "
+            f"({len(ids)} hash ids of {MOONCAKE_BLOCK_TOKENS} tokens), got {length!r}"
+        )
+    output, timestamp = row.get("output_length", 1), row.get("timestamp", 0)
+    if not (is_integer(output) and output >= 1):
+        raise ConfigError(f"{where}: 'output_length' must be an integer of at least 1 (tokens), got {output!r}")
+    if not (is_number(timestamp) and timestamp >= 0):
+        raise ConfigError(f"{where}: 'timestamp' must be a number >= 0 (ms from the trace's start), got {timestamp!r}")
+    return TraceLine(number, float(timestamp), tuple(ids), length, output)
+
+
+def read_trace_lines(path: str) -> tuple[TraceLine, ...]:
+    """Every line of the trace, checked; read once per version of the file (a notebook may rewrite it)."""
+    file = Path(path)
+    return _read_trace_lines(path, file.stat().st_mtime_ns if file.is_file() else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _read_trace_lines(path: str, version: int | None) -> tuple[TraceLine, ...]:
+    return tuple(parse_line(number, row, path) for number, row in read_jsonl(path, "--trace-file"))
 
 
 def read_mooncake_trace(
     path: str, block_tokens: int, max_output: int, vocab_size: int, seed: int
 ) -> tuple[TraceRequest, ...]:
     """The trace's requests, scaled to `block_tokens` per hash id, in timestamp order (ties keep file order).
-    Read once per version of the file (a notebook may rewrite it between runs)."""
-    file = Path(path)
-    version = file.stat().st_mtime_ns if file.is_file() else None
-    return _read_mooncake_trace(path, version, block_tokens, max_output, vocab_size, seed)
-
-
-@functools.lru_cache(maxsize=8)
-def _read_mooncake_trace(
-    path: str, version: int | None, block_tokens: int, max_output: int, vocab_size: int, seed: int
-) -> tuple[TraceRequest, ...]:
+    Only the ids a prompt reaches are drawn: its length was checked against the pools before (`trace_lengths`)."""
     requests = []
-    for number, row in read_jsonl(path, "--trace-file"):
-        where = f"--trace-file {path}:{number}"
-        ids, length = row.get("hash_ids"), row.get("input_length")
-        if not (isinstance(ids, list) and ids and all(isinstance(i, int) and i >= 0 for i in ids)):
-            raise ConfigError(f"{where}: needs a non-empty 'hash_ids' list of non-negative integers (Mooncake format)")
-        if not (isinstance(length, int) and 0 < length <= len(ids) * MOONCAKE_BLOCK_TOKENS):
-            raise ConfigError(
-                f"{where}: 'input_length' must be an integer in 1..{len(ids) * MOONCAKE_BLOCK_TOKENS} "
-                f"({len(ids)} hash ids of {MOONCAKE_BLOCK_TOKENS} tokens), got {length!r}"
-            )
-        scale = block_tokens / MOONCAKE_BLOCK_TOKENS
+    for line in read_trace_lines(path):
+        length = line.prompt_length(block_tokens)
+        ids = line.hash_ids[: -(-length // block_tokens)]
         tokens = np.concatenate([np.random.default_rng([seed, i]).integers(0, vocab_size, block_tokens) for i in ids])
-        prompt = tuple(tokens[: max(1, math.ceil(length * scale))].tolist())
-        output = max(1, min(max_output, math.ceil(int(row.get("output_length", 1)) * scale)))
-        requests.append((number, TraceRequest(float(row.get("timestamp", 0)), prompt, output)))
+        prompt = tuple(tokens[:length].tolist())
+        requests.append(
+            (line.number, TraceRequest(line.timestamp, prompt, line.scaled_output(block_tokens, max_output)))
+        )
     return tuple(r for _, r in sorted(requests, key=lambda nr: (nr[1].timestamp, nr[0])))
 
 
-def trace_lengths(path: str, block_tokens: int, max_output: int) -> tuple[int, ...]:
-    """Tokens of KV each request holds (prompt plus output), for checking a configuration before any rank runs."""
-    return tuple(len(r.prompt) + r.output_length for r in read_mooncake_trace(path, block_tokens, max_output, 2, 0))
+def trace_lengths(path: str, block_tokens: int, max_output: int) -> tuple[tuple[int, int], ...]:
+    """(line number, tokens of KV the request holds: prompt plus output) for every request, in file order,
+    without drawing a token: for checking a configuration before any rank runs."""
+    return tuple(
+        (line.number, line.prompt_length(block_tokens) + line.scaled_output(block_tokens, max_output))
+        for line in read_trace_lines(path)
+    )

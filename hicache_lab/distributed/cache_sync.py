@@ -37,6 +37,11 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
                         #31425). Across stages PP rank 0's verdict is relayed; a later stage whose own
                         allocation failed retries once and otherwise ends the run with `AllocationError` (a
                         one-way relay cannot carry its refusal back: SGLang has no answer for this either).
+* `prefetch_completion` - the pages a prefetch has read are agreed after every batch on the read thread, as the
+                        MIN over the prefetch worker's groups (every rank that reads them, across stages with
+                        `prefetch_groups`: SGLang 0.5.23's progressive acks on `prefetch_completion_sync_groups`);
+                        without it each rank counts its own, PP rank 0's attention peers agree at admission, and
+                        a page damaged on a later stage alone leaves it short of the relayed count: a crash.
 * `prefetch_vote`     - a rank that holds no prefetch for a request still enters `check_prefetch_progress`'s
                         collectives (voting ready, 0 pages), as SGLang #38273 proposed; without it the rank
                         returns before them, and a peer whose prefetches differ waits there alone (a deadlock).
@@ -82,6 +87,7 @@ class CacheSync:
         self.relay_sends_issued = 0  # every relay send so far (the step log shows each step's share)
         self.prefetch_sync_groups: list = []  # used by the prefetch worker only
         self.prefetch_progress_groups: list = []  # used by the scheduler only
+        self.prefetch_completion_groups: list = []  # used by the read thread only
         if storage:
             self._create_prefetch_sync_groups()
 
@@ -139,23 +145,27 @@ class CacheSync:
             work.wait()
         self.work_list = []
         self._barrier_attn_groups()
-        self._destroy_prefetch_sync_groups()
 
     def _create_prefetch_sync_groups(self) -> None:
         """The storage path's own gloo groups (`prefetch_group_rank_sets`; without the CP fix: attention-TP
-        alone). Two sets, one per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts,
-        and the scheduler's prefetch progress. Collective: every rank creates every group, in the same order."""
-        rank_sets = prefetch_group_rank_sets(self.groups.layout, self.fixes)
-        for groups, sets in zip((self.prefetch_sync_groups, self.prefetch_progress_groups), rank_sets, strict=True):
-            for ranks in sets:
+        alone), one set per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts, the
+        scheduler's prefetch progress, and (with `prefetch_completion`) the read thread's pages arrived, on the
+        worker's rank sets. Collective: every rank creates every group, in the same order."""
+        worker, scheduler = prefetch_group_rank_sets(self.groups.layout, self.fixes)
+        sets = [(self.prefetch_sync_groups, worker), (self.prefetch_progress_groups, scheduler)]
+        if "prefetch_completion" in self.fixes:
+            sets.append((self.prefetch_completion_groups, worker))
+        for groups, rank_sets in sets:
+            for ranks in rank_sets:
                 group = dist.new_group(list(ranks), backend="gloo", timeout=self.groups.timeout)
                 if self.groups.layout.rank in ranks:
                     groups.append(group)
 
-    def _destroy_prefetch_sync_groups(self) -> None:
-        for group in self.prefetch_sync_groups + self.prefetch_progress_groups:
+    def destroy_storage_groups(self) -> None:
+        """Once the storage threads have stopped."""
+        for group in self.prefetch_sync_groups + self.prefetch_progress_groups + self.prefetch_completion_groups:
             dist.destroy_process_group(group)
-        self.prefetch_sync_groups, self.prefetch_progress_groups = [], []
+        self.prefetch_sync_groups, self.prefetch_progress_groups, self.prefetch_completion_groups = [], [], []
 
     @staticmethod
     def _all_reduce_prefetch_groups(data: torch.Tensor, op, groups: list) -> None:
@@ -169,6 +179,15 @@ class CacheSync:
             return values
         data = torch.tensor(values, dtype=torch.int64)
         self._all_reduce_prefetch_groups(data, op, self.prefetch_sync_groups)
+        return data.tolist()
+
+    def agree_prefetch_completion(self, values: list[int]) -> list[int]:
+        """Pages a prefetch has read so far (MIN), on the read thread's groups (`prefetch_completion`); without
+        the fix this rank's own count."""
+        if "prefetch_completion" not in self.fixes:
+            return values
+        data = torch.tensor(values, dtype=torch.int64)
+        self._all_reduce_prefetch_groups(data, MIN, self.prefetch_completion_groups)
         return data.tolist()
 
     def agree_prefetch_progress(self, values: list[int], op=MIN) -> list[int]:

@@ -7,6 +7,7 @@ The CLI, the bug zoo, the presets and the benchmarks all read flags through here
 from __future__ import annotations
 
 import argparse
+import math
 
 from ..config import (
     HOST_LAYOUTS,
@@ -24,6 +25,18 @@ from ..config import (
     WorkloadConfig,
 )
 
+
+def finite_float(text: str) -> float:
+    """A float flag's value: a finite number (argparse's `float` takes inf and nan, and nan passes every check)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number: give one, e.g. 2.5") from None
+    return value
+
+
 # (flag, config section, field, type, help); defaults come from the dataclasses.
 FLAGS = [
     ("--num-layers", "model", "num_layers", int, "transformer layers"),
@@ -34,12 +47,12 @@ FLAGS = [
     ("--model-seed", "model", "seed", int, "seed of the model weights"),
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
     ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),
-    ("--hicache-ratio", "cache", "hicache_ratio", float, "host pool size as a multiple of the device pool"),
+    ("--hicache-ratio", "cache", "hicache_ratio", finite_float, "host pool size as a multiple of the device pool"),
     (
         "--hicache-size",
         "cache",
         "hicache_size_gb",
-        float,
+        finite_float,
         "host pool size in GB (overrides the ratio when > 0)",
     ),
     ("--hicache-write-policy", "cache", "write_policy", str, f"one of {', '.join(WRITE_POLICIES)}"),
@@ -63,7 +76,7 @@ FLAGS = [
         "--injected-delay-ms",
         "cache",
         "injected_delay_ms",
-        float,
+        finite_float,
         "real: mean extra delay per copy (exponential)",
     ),
     ("--hicache-storage-backend", "cache", "storage_backend", str, f"L3 tier: {', '.join(STORAGE_BACKENDS)}"),
@@ -92,14 +105,14 @@ FLAGS = [
         "--prefetch-timeout-base",
         "cache",
         "prefetch_timeout_base_s",
-        float,
+        finite_float,
         "timeout policy, real latency: seconds to wait (SGLang's prefetch_timeout_base)",
     ),
     (
         "--prefetch-timeout-per-ki-token",
         "cache",
         "prefetch_timeout_per_ki_token_s",
-        float,
+        finite_float,
         "timeout policy, real latency: more seconds per 1,024 tokens asked",
     ),
     ("--num-clients", "workload", "num_clients", int, "concurrent conversations"),
@@ -138,7 +151,7 @@ FLAGS = [
     ),
     ("--consensus-check", "parallel", "consensus_check", int, "every K steps all ranks compare state (0: off)"),
     ("--device", "parallel", "device", str, "cpu (gloo) or cuda (NCCL, CUDA streams)"),
-    ("--collective-timeout", "parallel", "collective_timeout_s", float, "seconds before a collective fails"),
+    ("--collective-timeout", "parallel", "collective_timeout_s", finite_float, "seconds before a collective fails"),
 ]
 SECTIONS = {
     "model": ModelConfig,

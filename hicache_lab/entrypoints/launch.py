@@ -1,47 +1,95 @@
 """Run a world of ranks: in this process (one rank), as spawned processes on 127.0.0.1, or as one rank
 under `torchrun`.
 
-Every rank writes `rank{R}.json` (its result) and `trace_rank{R}.jsonl` (its steps) into the output
-directory; `summarize` merges them into `summary.json`. A rank that raises records the error and exits at
-once; the launcher then stops the others after a short grace period, so a failed world ends in seconds
-instead of waiting for collective timeouts, and the summary names the rank that failed first.
+Every rank writes `rank{R}.json` (its result, with the run's id) and `trace_rank{R}.jsonl` (its steps) into the
+output directory, which the run owns while it runs (outdir.py); `summarize` merges this run's results into
+`summary.json`. A rank that raises records the error and exits at once; the launcher then stops the others after
+a short grace period, so a failed world ends in seconds instead of waiting for collective timeouts, and the
+summary names the cause (report.blame): a rank that waited for a peer is a symptom, the peer that never reported
+is named with what its process was doing. No process outlives the launcher (ending.py): ranks and the
+`mooncake_master` it starts die with it, and SIGINT/SIGTERM end the world with a summary that says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ..config import RunConfig
-from ..distributed.parallel_state import stage_layers
+from ..config import RunConfig, check_writable_dir
+from ..distributed.parallel_state import RankLayout, stage_layers
 from ..errors import ConfigError
 from ..mem_cache.memory_pool import kv_bytes_per_token
+from .ending import Interrupted, SignalGuard, die_with_parent, master_preexec, process_state
 from .hooks import resolve
-from .rank import run_rank
-from .report import print_summary, summarize
+from .outdir import Claim, OutputError
+from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
+from .report import WorldEnd, print_summary, read_results, summarize
 
-GRACE_S = 2.0  # after the first rank fails, how long the others get to report before they are stopped
+GRACE_S = 2.0  # after the first rank fails (or a signal), how long the others get to report before they are stopped
 
 
-def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path) -> None:
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        cfg.parallel.world_size,
-        is_master=rank == 0,
-        timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s),
-    )
-    run_rank(cfg, rank, store, out_dir)
+def _rank(cfg: RunConfig, rank: int, store: Callable[[], dist.Store | None], out_dir: Path, run_id, guard) -> dict:
+    """`run_rank` on the store `store()` makes; a rank that could not join the world (a peer that never came: a
+    timeout, a symptom) or was interrupted while joining still leaves a result."""
+    result = None
+    try:
+        return run_rank(cfg, rank, store(), out_dir, run_id, guard)
+    except ConfigError:
+        raise
+    except Interrupted as exc:
+        result = record_interrupt(_new(cfg, rank, run_id), exc.name)
+    except Exception as exc:
+        result = _new(cfg, rank, run_id)
+        record_crash(result, exc, cfg.parallel.collective_timeout_s, out_dir)
+    guard.finish()
+    write_result(out_dir, result)
+    return result
+
+
+def _new(cfg: RunConfig, rank: int, run_id: str | None) -> dict:
+    p = cfg.parallel
+    return new_result(rank, RankLayout(p.tp, p.cp, p.pp, rank), run_id)
+
+
+def exit_code(result: dict) -> int:
+    """A rank's exit code: 0 completed, 128 + signal interrupted, 1 failed."""
+    if result.get("interrupted"):
+        return 128 + signal.Signals[result["interrupted"]]
+    return 0 if result["completed"] else 1
+
+
+def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, parent: int) -> None:
+    """A spawned rank: it dies with the launcher (`parent`), and leaves at once (os._exit) when it did not
+    complete, since peers may be blocked on it (the launcher stops them)."""
+    die_with_parent(parent)
+    timeout = datetime.timedelta(seconds=cfg.parallel.collective_timeout_s)
+    world = cfg.parallel.world_size
+
+    def store() -> dist.Store:
+        return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+
+    with SignalGuard() as guard:
+        try:
+            result = _rank(cfg, rank, store, out_dir, run_id, guard)
+        except OutputError as exc:  # its result could not be written: the launcher finds none
+            print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
+            os._exit(1)
+    if not result["completed"]:
+        os._exit(exit_code(result))
 
 
 def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:
@@ -51,12 +99,20 @@ def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
 
 
+def _with_lifeline(parent: int, target, *args) -> None:
+    die_with_parent(parent)
+    target(*args)
+
+
 def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | None]:
     """Run `target(rank, size, port, *args)` in `size` spawned processes (each may `join_world(rank, size,
-    port, ...)`); wait for all, killing any still running after `timeout_s`. Returns their exit codes."""
+    port, ...)`, and dies with this one); wait for all, killing any still running after `timeout_s`. Returns
+    their exit codes."""
     ctx = multiprocessing.get_context("spawn")
     (port,) = free_ports(1)
-    procs = [ctx.Process(target=target, args=(rank, size, port, *args)) for rank in range(size)]
+    procs = [
+        ctx.Process(target=_with_lifeline, args=(os.getpid(), target, rank, size, port, *args)) for rank in range(size)
+    ]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout_s
@@ -68,38 +124,49 @@ def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | 
     return [proc.exitcode for proc in procs]
 
 
-def spawn_world(cfg: RunConfig, out_dir: Path) -> dict[int, int]:
-    """Start every rank as a process; once one fails, stop the rest after GRACE_S seconds. Returns the exit
-    codes of the ranks that failed first, on their own (not those the launcher stopped)."""
+def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str) -> WorldEnd:
+    """Start every rank as a process (each dies with this one); once one fails, stop the rest after GRACE_S
+    seconds. On SIGINT/SIGTERM (`Interrupted`) every rank is asked to end (SIGTERM: each writes what it has), and
+    what is left after GRACE_S is stopped. The WorldEnd holds the exit codes of the ranks that failed first, on
+    their own (not those the launcher stopped), and what each rank the launcher stopped was doing."""
     ctx = multiprocessing.get_context("spawn")
     (port,) = free_ports(1)
-    procs = [
-        ctx.Process(target=_rank_main, args=(cfg, r, port, out_dir), daemon=True)
-        for r in range(cfg.parallel.world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    failed_at, failed, killed = None, {}, False
+    args = (out_dir, run_id, os.getpid())
+    procs = [ctx.Process(target=_rank_main, args=(cfg, r, port, *args)) for r in range(cfg.parallel.world_size)]
+    end, failed_at = WorldEnd(run_id), None
+    try:
+        for proc in procs:
+            proc.start()
+        while any(proc.is_alive() for proc in procs) and (failed_at is None or time.monotonic() - failed_at < GRACE_S):
+            for rank, proc in enumerate(procs):
+                if proc.exitcode not in (None, 0):
+                    end.failed.setdefault(rank, proc.exitcode)
+            failed_at = failed_at or (time.monotonic() if end.failed else None)
+            time.sleep(0.05)
+    except Interrupted as exc:
+        end.interrupted = exc.name
+        for proc in procs:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + GRACE_S
+        while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        end.stopped = _stop(procs)
+    return end
 
-    def note_failures() -> None:  # every rank that ended badly before the launcher stopped anyone
-        for rank, proc in enumerate(procs):
-            if proc.exitcode not in (None, 0) and rank not in failed:
-                failed[rank] = proc.exitcode
 
-    while any(proc.is_alive() for proc in procs):
-        if not killed:
-            note_failures()
-            failed_at = failed_at or (time.monotonic() if failed else None)
-        if failed_at is not None and time.monotonic() - failed_at > GRACE_S and not killed:
-            for proc in procs:
-                proc.kill()
-            killed = True
-        time.sleep(0.05)
+def _stop(procs: list) -> dict[int, str]:
+    """Kill every rank still running; what each was doing then, by rank."""
+    stopped = {}
+    for rank, proc in enumerate(procs):
+        if proc.is_alive():
+            stopped[rank] = f"its process was {process_state(proc.pid)} when the launcher stopped it"
+            proc.kill()
     for proc in procs:
-        proc.join()
-    if not killed:
-        note_failures()
-    return failed
+        if proc.pid is not None:
+            proc.join()
+    return stopped
 
 
 def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
@@ -111,8 +178,26 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
         (out_dir, "--out"),
         (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),
     ):
-        if path and Path(path).exists() and not Path(path).is_dir():
-            raise ConfigError(f"{flag} {path} is a file: give a directory")
+        if path:
+            check_writable_dir(path, flag)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "") if "TORCHELASTIC_RUN_ID" in os.environ else ""
+    here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
+    machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    if p.device == "cuda":  # pools, weights and activations there; the rest in memory
+        gpus = range(torch.cuda.device_count())
+        machine["GPU memory"] = sum(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    for kind, have in machine.items():
+        needed = sorted(
+            (n * here, what, flags)
+            for what, (n, flags, on_device) in cfg.memory_needed().items()
+            if kind == ("GPU memory" if on_device and p.device == "cuda" else "memory")
+        )
+        if (total := sum(n for n, _, _ in needed)) > have:
+            n, what, flags = needed[-1]
+            raise ConfigError(
+                f"this world would allocate about {total / 1e9:.3g} GB, more than this machine's {have / 1e9:.3g} GB "
+                f"of {kind}; the most, {n / 1e9:.3g} GB, for {what}: lower {flags}"
+            )
     if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
         for stage in range(p.pp):
             layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
@@ -120,66 +205,110 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
-    """Run the workload on the whole world; returns (and writes) the merged summary."""
+    """Run the workload on the whole world; returns (and writes) the merged summary. `out_dir` (None: a scratch
+    directory) is the run's own while it runs (outdir.Claim)."""
     started = time.perf_counter()
     resolve(cfg.parallel.sync_impls)  # a --sync-impl that cannot load fails here, before any rank starts
     preflight(cfg, out_dir)
-    master = None
-    if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
-        master, address, url = start_mooncake_master()
-        cache = dataclasses.replace(cfg.cache, mooncake_master=address, mooncake_metadata_url=url)
-        cfg = dataclasses.replace(cfg, cache=cache)
-    try:
-        return _run_world(cfg, out_dir, verbose, started)
-    finally:
-        if master is not None:
-            master.terminate()
-            master.wait()
+    with contextlib.ExitStack() as stack:
+        out = Path(out_dir) if out_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        run_id = stack.enter_context(Claim(out)).run_id
+        guard = stack.enter_context(SignalGuard())
+        if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
+            master, address, url = start_mooncake_master()
+            stack.callback(_stop_master, master)
+            cache = dataclasses.replace(cfg.cache, mooncake_master=address, mooncake_metadata_url=url)
+            cfg = dataclasses.replace(cfg, cache=cache)
 
+        def summary(end: WorldEnd) -> dict:
+            return summarize(cfg, out, time.perf_counter() - started, end)
 
-def _run_world(cfg: RunConfig, out_dir: Path | None, verbose: bool, started: float) -> dict:
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(out_dir) if out_dir is not None else Path(scratch)
-        out.mkdir(parents=True, exist_ok=True)
-        for stale in [*out.glob("rank*.json"), *out.glob("trace_rank*.jsonl"), *out.glob("rank*.cache_ops.jsonl")]:
-            stale.unlink()
-        failed = {}
+        guard.owe(lambda name: print_summary(summary(WorldEnd(run_id, interrupted=name))))  # main thread stuck
         if cfg.parallel.world_size == 1:
-            run_rank(cfg, 0, dist.HashStore(), out)
+            result = _rank(cfg, 0, dist.HashStore, out, run_id, guard)
+            end = WorldEnd(run_id, interrupted=result.get("interrupted"))
         else:
-            failed = spawn_world(cfg, out)
-        summary = summarize(cfg, out, time.perf_counter() - started, failed)
+            end = spawn_world(cfg, out, run_id)
+        guard.finish()
+        merged = summary(end)
     if verbose:
-        print_summary(summary)
-    return summary
+        print_summary(merged)
+    return merged
+
+
+def _stop_master(master: subprocess.Popen) -> None:
+    master.terminate()
+    master.wait()
 
 
 def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
-    """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 summarizes."""
+    """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 owns the output
+    directory and summarizes, even when a rank died (torchrun then SIGTERMs the others: rank 0 writes the summary
+    before it leaves); the others write only once they met rank 0 (its run id)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != cfg.parallel.world_size:
         raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
+    die_with_parent(os.getppid())  # torchrun's agent: no rank outlives it
     resolve(cfg.parallel.sync_impls)
     preflight(cfg, out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"rank{rank}.json").unlink(missing_ok=True)  # rank 0 counts these to know when all are done
     started = time.perf_counter()
-    run_rank(cfg, rank, None, out_dir)  # no store: torch.distributed reads MASTER_ADDR/PORT (env://)
-    if rank != 0:
-        return None
-    deadline = time.monotonic() + cfg.parallel.collective_timeout_s
-    while len(list(out_dir.glob("rank*.json"))) < world and time.monotonic() < deadline:
-        time.sleep(0.1)
-    summary = summarize(cfg, out_dir, time.perf_counter() - started)
+    with contextlib.ExitStack() as stack:
+        run_id = stack.enter_context(Claim(out_dir)).run_id if rank == 0 else None
+        guard = stack.enter_context(SignalGuard())
+        if rank == 0:
+            end = WorldEnd(run_id)
+            guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
+        result = _rank(cfg, rank, lambda: None, out_dir, run_id, guard)  # no store: env:// (MASTER_ADDR/PORT)
+        if rank != 0:
+            if not result["completed"]:
+                os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
+            return None
+        end.interrupted = result.get("interrupted") or _await_peers(cfg, out_dir, result, end)
+        guard.finish()
+        _name_missing(cfg, out_dir, result, end)
+        summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
     print_summary(summary)
     return summary
 
 
+def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
+    """Rank 0 waits for the other results: up to the collective timeout when it completed, GRACE_S when it
+    waited for a peer (the cause may still report), not at all when it failed on its own. Returns the signal
+    that cut the wait short (torchrun stops the world once a rank died), if one did."""
+    p = cfg.parallel
+    wait = p.collective_timeout_s if result["completed"] else GRACE_S if result.get("waited") else 0
+    deadline = time.monotonic() + wait
+    try:
+        while len(read_results(out_dir, end, p.world_size)) < p.world_size and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Interrupted as exc:
+        return exc.name
+    return None
+
+
+def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> None:
+    """What each rank that left no result is doing now (its process on this host, from the ranks' meeting):
+    gone (it died: the cause), or still there (stuck)."""
+    reported = {r["rank"] for r in read_results(out_dir, end, cfg.parallel.world_size)}
+    for rank in range(cfg.parallel.world_size):
+        pid = result.get("peers", {}).get(str(rank))
+        if rank in reported:
+            continue
+        if pid is None:
+            end.stopped[rank] = "no process of it known here (on another host, or it never met rank 0)"
+            continue
+        state = process_state(pid)
+        if state == "gone" or state.startswith("a zombie"):
+            end.failed[rank] = "died (its process is gone)"
+        else:
+            end.stopped[rank] = f"its process is {state}"
+
+
 def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:
     """Start `mooncake_master` on 127.0.0.1 with its HTTP metadata server; returns (process, master address,
-    metadata URL). The caller stops it."""
+    metadata URL). The caller stops it; it dies with this process."""
     import mooncake  # optional dependency: imported only when asked for
 
     binary = Path(mooncake.__file__).parent / "mooncake_master"
@@ -197,6 +326,7 @@ def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=master_preexec(os.getpid()),  # it dies with the launcher, even by SIGKILL
     )
     deadline = time.monotonic() + 10
     while not _listening(rpc) and time.monotonic() < deadline:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
+import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import Groups, RankLayout, build_groups, get_attn_cp_rank_and_size, stage_layers
+from ..errors import ConfigError
 from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
 from ..managers.step_trace import TraceWriter, trace_path
@@ -25,9 +28,14 @@ from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, is_storage_writer, storage_suffix
 from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
+from .args import FLAGS
+from .ending import Interrupted, SignalGuard
 from .hooks import install, install_faults, resolve
 from .oracle import check_outputs
+from .outdir import cannot_write, write_file
 from .report import round_rows, scheduling_counts, write_requests
+
+PEER_LOST = ("Timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")  # a peer's fault
 
 
 @dataclass
@@ -86,8 +94,52 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     return Stage(loop, asked)
 
 
-def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path) -> dict:
-    """One rank, start to end: returns (and writes) its result; never raises for a failure of the run."""
+def agree_on_config(cfg: RunConfig, out_dir: Path) -> None:
+    """Every rank runs the same configuration. Each process parses its own flags (by hand, or under torchrun):
+    the ranks gather their configurations and output directories and compare them field by field, and any
+    difference is a ConfigError on every rank that names each flag that differs and each rank's value. No field
+    may differ per rank: a rank's place in the world comes from its rank, never from a flag."""
+    flags = {f"{section}.{name}": flag for flag, section, name, _, _ in FLAGS} | {
+        "cache.enable_hierarchical_cache": "--enable-hierarchical-cache",  # the flags config_from_args maps itself
+        "cache.skip_load_wait": "--skip-load-wait",
+        "cache.copy_checksum": "--copy-checksum",
+        "cache.flush_between_rounds": "--flush-cache-between-rounds",
+        "workload.round_barrier": "--no-round-barrier",
+        "parallel.fault": "--fault",
+        "parallel.pp_layer_partition": "--pp-layer-partition",
+        "parallel.enable_fixes": "--enable-fix",
+        "parallel.disable_fixes": "--disable-fix",
+        "parallel.sync_impls": "--sync-impl",
+        "check_outputs": "--check-outputs",
+        "record_cache_ops": "--record-cache-ops",
+        "out": "--out",
+    }
+    mine = {"out": repr(str(Path(out_dir).resolve()))}
+    for key, value in asdict(cfg).items():
+        mine |= {f"{key}.{k}": repr(v) for k, v in value.items()} if isinstance(value, dict) else {key: repr(value)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    differ = []
+    for key in dict.fromkeys(k for config in every for k in config):
+        ranks = {}  # value -> the ranks that have it
+        for rank, config in enumerate(every):
+            ranks.setdefault(config.get(key, "nothing"), []).append(str(rank))
+        if len(ranks) > 1:
+            where = ", ".join(f"{v} on rank{'s' * (len(r) > 1)} {', '.join(r)}" for v, r in ranks.items())
+            differ.append(f"{flags.get(key, key)} ({key.rpartition('.')[2]}: {where})")
+    if differ:
+        dist.destroy_process_group()  # every rank leaves the world it could not run in, none aborts at exit
+        raise ConfigError(
+            f"ranks were started with different flags: {'; '.join(differ)}; start every rank with the same flags"
+        )
+
+
+def run_rank(
+    cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path, run_id: str | None, guard: SignalGuard
+) -> dict:
+    """One rank, start to end: returns (and writes) its result; never raises for a failure of the run. `run_id`:
+    the run's (None where only rank 0 knows it: torchrun); the ranks agree on rank 0's at start and write it into
+    their results. SIGINT/SIGTERM (`guard`) end the rank with what it has, as an interrupted result."""
     p = cfg.parallel
     if p.device == "cpu":
         torch.set_num_threads(1)  # tensors are tiny and ranks share the cores: more threads only spin
@@ -95,48 +147,92 @@ def run_rank(cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path)
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=p.collective_timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p.world_size, timeout=timeout)
+    agree_on_config(cfg, out_dir)
     layout = RankLayout(p.tp, p.cp, p.pp, rank)
-    result = {
-        "rank": rank,
-        "tp_rank": layout.tp_rank,
-        "cp_rank": layout.cp_rank,
-        "pp_rank": layout.pp_rank,
-        "completed": False,
-        "crashed": False,
-        "error": None,
-        "rounds": [],
-    }
+    result = new_result(rank, layout, run_id)
     stage = None
     try:
+        result["run_id"], result["peers"] = meet(run_id, p.world_size)
         stage = build_stage(cfg, build_groups(layout, p), out_dir)
+        guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), stage, closing=False))
         stage.loop.run()
         result["completed"] = True
+    except Interrupted as exc:
+        record_interrupt(result, exc.name)
     except Exception as exc:  # a crash is a result: it goes in the summary
-        error = f"{type(exc).__name__}: {exc}"
+        record_crash(result, exc, p.collective_timeout_s, out_dir)
+    guard.finish()
+    _write(cfg, out_dir, result, stage, closing=True)
+    if result["completed"] or p.world_size == 1:
+        dist.destroy_process_group()  # else peers may be blocked on us: the caller leaves at once (os._exit)
+    return result
+
+
+def new_result(rank: int, layout: RankLayout, run_id: str | None) -> dict:
+    """A rank's result before it runs: nothing done yet."""
+    where = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank}
+    return {"rank": rank, "run_id": run_id, **where, "completed": False, "crashed": False, "error": None, "rounds": []}
+
+
+def meet(run_id: str | None, world_size: int) -> tuple[str | None, dict[str, int]]:
+    """Rank 0's run id, and every rank's process ({rank: pid}, on this host), gathered from every rank."""
+    if world_size == 1:
+        return run_id, {"0": os.getpid()}
+    every = [None] * world_size
+    dist.all_gather_object(every, (run_id, socket.gethostname(), os.getpid()))
+    return every[0][0], {str(r): pid for r, (_, host, pid) in enumerate(every) if host == socket.gethostname()}
+
+
+def record_crash(result: dict, exc: Exception, timeout_s: float, out_dir: Path) -> None:
+    """`exc` ended the rank. A timeout or a lost connection is `waited`: this rank waited for a peer, a symptom;
+    the cause is that peer. A file of the run that could not be written says which, and what to do."""
+    error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, OSError) and exc.filename and Path(exc.filename).parent == Path(out_dir):
+        error = str(cannot_write(exc.filename, exc))
+    elif any(words in str(exc) for words in PEER_LOST):
+        result["waited"] = True
         if "Timed out" in str(exc):
             result["hung_in"] = _lab_calls(exc)
-            timeout_s = p.collective_timeout_s
             error = f"collective timed out after --collective-timeout {timeout_s:g} s in {result['hung_in']} ({error})"
-        result.update(crashed=True, error=error, traceback=traceback.format_exc(), failed_at=time.time())
+    result.update(crashed=True, error=error, traceback=traceback.format_exc(), failed_at=time.time())
+
+
+def record_interrupt(result: dict, name: str) -> dict:
+    """A signal (`name`) ended the rank early: not a crash, a run cut short."""
+    result.update(interrupted=name, error=f"interrupted by {name}", failed_at=time.time())
+    return result
+
+
+def write_result(out_dir: Path, result: dict) -> None:
+    """`rank{R}.json`, once the rank knows the run's id (a rank that never met rank 0 writes nothing: the
+    directory may be another run's), else its error on stderr."""
+    if result["run_id"] is None:
+        print(f"rank {result['rank']}: {result['error']} (before it met rank 0: no result written)", file=sys.stderr)
+        return
+    write_file(out_dir / f"rank{result['rank']}.json", json.dumps(result, indent=1) + "\n")
+
+
+def _write(cfg: RunConfig, out_dir: Path, result: dict, stage: Stage | None, closing: bool) -> None:
+    """What the rank did, into its result (and, rank 0, the request log), then `write_result`. `closing`: the
+    main thread's own end (it closes the cache and checks outputs); else a signal found it stuck."""
+    p = cfg.parallel
     if stage is not None:
         loop, cache = stage.loop, stage.cache
         loop.trace.close()
         result.update(cache.summary())
-        cache.close()
+        if closing:
+            cache.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
         result["scheduling"] = scheduling_counts(loop)
-        if rank == 0:
+        if result["rank"] == 0:
             write_requests(out_dir, loop.reqs)
-        if cfg.check_outputs and result["completed"]:
+        if closing and cfg.check_outputs and result["completed"]:
+            layout = RankLayout(p.tp, p.cp, p.pp, result["rank"])
             is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
             reqs = answered if is_reference_rank else []
             result["oracle"] = check_outputs(cfg.model, p.device, reqs, cache.copy_check())
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(result, indent=1) + "\n")
-    if result["crashed"] and p.world_size > 1:
-        os._exit(1)  # peers may be blocked on us: leave now, the launcher stops them
-    dist.destroy_process_group()
-    return result
+    write_result(out_dir, result)
 
 
 def _lab_calls(exc: BaseException, depth: int = 4) -> str:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import signal
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig
 from ..managers.schedule_batch import Req
 from ..managers.step_trace import StepRecord, first_divergence, read_trace
+from .outdir import write_file
 
 
 def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
@@ -105,10 +108,8 @@ def sglang_flags(cfg: RunConfig) -> str:
 
 def write_requests(out_dir: Path, reqs: list[Req]) -> None:
     """Every request in arrival order, to replay the same workload elsewhere."""
-    with open(Path(out_dir) / "requests.jsonl", "w") as f:
-        for r in reqs:
-            record = {"rid": r.rid, "round": r.round, "client": r.client, "prompt": r.prompt, "output": r.output}
-            f.write(json.dumps(record) + "\n")
+    lines = [{"rid": r.rid, "round": r.round, "client": r.client, "prompt": r.prompt, "output": r.output} for r in reqs]
+    write_file(Path(out_dir) / "requests.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
 
 
 def _merge_oracles(results: list[dict]) -> dict | None:
@@ -124,36 +125,97 @@ def _merge_oracles(results: list[dict]) -> dict | None:
     return merged
 
 
-def _exit_reason(code: int) -> str:
+def _merge_faults(cfg: RunConfig, results: list[dict]) -> list[dict]:
+    """Each fault asked (`--fault`, `--skip-load-wait`) and what the ranks it strikes recorded (hooks.Chances):
+    `fired` is True where it came on some rank, False where it never did (then `message` says why, as a warning,
+    and the CLI exits 1), None where no rank it strikes left a result; `chances` per rank."""
+    p = cfg.parallel
+    asked = [f"--fault {p.fault}"] * bool(p.fault) + ["--skip-load-wait"] * cfg.cache.skip_load_wait
+    merged = []
+    for flag in asked:
+        records = [f for r in results for f in r.get("faults", ()) if f["asked"] == flag]
+        fired = any(f["fired"] for f in records) if records else None
+        message = records[0]["message"] if fired is False else None
+        if message:
+            logging.getLogger(__name__).warning(message)
+        chances = {str(f["rank"]): f["chances"] for f in records}
+        merged.append({"asked": flag, "fired": fired, "chances": chances, "message": message})
+    return merged
+
+
+def _exit_reason(code: int | str) -> str:
+    if isinstance(code, str):
+        return code
     return f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
 
 
-def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int, int] | None = None) -> dict:
-    """Merge every rank's result and trace into `summary.json`. `failed`: exit codes of the ranks whose process
-    failed first (from the launcher); one of them that left no result is the cause, whatever the others say."""
-    results = sorted((json.loads(p.read_text()) for p in Path(out_dir).glob("rank*.json")), key=lambda r: r["rank"])
-    reported = {r["rank"] for r in results}
-    stopped = [rank for rank in range(cfg.parallel.world_size) if rank not in reported]
-    crashed = [r for r in results if r["crashed"]]
-    first = min(crashed, key=lambda r: r["failed_at"]) if crashed else None
-    error = first["error"] if first else None
-    if hung := [f"rank {r['rank']} in {r['hung_in']}" for r in crashed if r is not first and "hung_in" in r]:
-        error = f"{error}; meanwhile {', '.join(hung)}"  # where each peer waited: which collectives did not meet
-    lost = [rank for rank in (failed or {}) if rank in stopped]
-    if lost:
-        first, error = None, f"rank {lost[0]} {_exit_reason(failed[lost[0]])} without a result; the others were stopped"
-    elif stopped and not first:
-        error = f"ranks {stopped} ended without a result"
-    divergence = first_divergence(read_trace(out_dir))
+@dataclass
+class WorldEnd:
+    """How the world ended, as its launcher saw it (each rank's result says the rest)."""
+
+    run_id: str | None  # the run's id: only results that carry it are this run's
+    failed: dict[int, int | str] = field(default_factory=dict)  # ranks that failed first: exit code, or in words
+    stopped: dict[int, str] = field(default_factory=dict)  # ranks that never reported: what their process was doing
+    interrupted: str | None = None  # the signal (SIGINT, SIGTERM) that ended the run early
+
+
+def read_results(out_dir: Path, end: WorldEnd, world_size: int) -> list[dict]:
+    """This run's rank results, by rank: files of another run (another id, a rank beyond this world) and files
+    cut short (a full disk) are not this run's."""
+    results = []
+    for path in Path(out_dir).glob("rank*.json"):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if result.get("run_id") == end.run_id and result.get("rank", world_size) < world_size:
+            results.append(result)
+    return sorted(results, key=lambda r: r["rank"])
+
+
+def blame(results: list[dict], missing: list[int], end: WorldEnd, elapsed_s: float) -> tuple[str | None, int | None]:
+    """(error, failing rank). The cause comes first: a rank that failed on its own with no result, then one that
+    raised (earliest first), then one that never reported (stuck: its process state says how). A rank that timed
+    out or lost a connection waited for a peer: a symptom, named only where nothing else is (`waited`)."""
+    ended = [r for r in results if r["crashed"] or r.get("interrupted")]
+    waits = [f"rank {r['rank']} in {r['hung_in']}" for r in ended if "hung_in" in r]  # which collectives never met
+    causes = [r for r in ended if not r.get("waited") and not (end.interrupted and r.get("interrupted"))]
+    if lost := [rank for rank in end.failed if rank in missing]:
+        return f"rank {lost[0]} {_exit_reason(end.failed[lost[0]])} without a result; the others were stopped", lost[0]
+    if causes or (ended and not missing and not end.interrupted):
+        first = min(causes or ended, key=lambda r: r["failed_at"])
+        others = [w for w in waits if not w.startswith(f"rank {first['rank']} ")]
+        return first["error"] + (f"; meanwhile {', '.join(others)}" if others else ""), first["rank"]
+    if end.interrupted:
+        left = f"; ranks {missing} were stopped before they reported" if missing else ""
+        return f"interrupted by {end.interrupted} after {elapsed_s:.1f} s: the summary holds what was done{left}", None
+    if missing:
+        rank = missing[0]
+        waited = f"; the others waited for it: {', '.join(waits)}" if waits else ""
+        return f"rank {rank} never reported: {end.stopped.get(rank, 'its process state is unknown')}{waited}", rank
+    return None, None
+
+
+def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) -> dict:
+    """Merge this run's rank results and traces into `summary.json`, with the cause of a failure (`blame`)."""
+    world = cfg.parallel.world_size
+    results = read_results(out_dir, end, world)
+    missing = [rank for rank in range(world) if rank not in {r["rank"] for r in results}]
+    error, failing = blame(results, missing, end, elapsed_s)
+    first = next((r for r in results if r["rank"] == failing), None)
+    completed = error is None and not missing
+    divergence = first_divergence([row for row in read_trace(out_dir) if row["rank"] < world])
     oracle = _merge_oracles(results)
     summary = {
         "config": dataclasses.asdict(cfg),
         "sglang_flags": sglang_flags(cfg),
-        "completed": not crashed and not stopped,
-        "crashed": bool(crashed or stopped),
+        "run_id": end.run_id,
+        "completed": completed,
+        "crashed": not completed and failing is not None,
+        "interrupted": end.interrupted,
         "error": error,
-        "failing_rank": first["rank"] if first else (lost or stopped or [None])[0],
-        "stopped_ranks": stopped,
+        "failing_rank": failing,
+        "stopped_ranks": missing,
         "diverged": divergence is not None,
         "first_divergence": divergence,
         "rounds": results[0]["rounds"] if results and results[0]["rank"] == 0 else [],
@@ -161,11 +223,12 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, failed: dict[int,
         "scheduling": _merge_scheduling(results),
         "outputs_match_reference": oracle["ok"] if oracle else None,
         "oracle": oracle,
+        "faults": _merge_faults(cfg, results),
         "elapsed_s": elapsed_s,
     }
-    if first:
+    if first and "traceback" in first:
         summary["traceback"] = first["traceback"]
-    (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_file(Path(out_dir) / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 
@@ -183,6 +246,8 @@ def print_summary(summary: dict) -> None:
         print(f"diverged at step {d['step']} on {d['quantity']}: {d['values']}")
     if summary["crashed"]:
         print(f"crashed (rank {summary['failing_rank']}): {summary['error']}")
+    elif summary["interrupted"]:
+        print(summary["error"])
     if s := summary.get("scheduling"):
         print(
             f"scheduling: {s['chunked_prefills']} prefill chunks, {s['retractions']} retractions; "

@@ -16,20 +16,23 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import SYNC_MODES, CacheConfig, ParallelConfig
+from ..config import SYNC_MODES, CacheConfig, ParallelConfig, check_writable_dir
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import RankLayout, build_groups
 from ..entrypoints.launch import join_world, spawn_ranks
+from ..errors import ConfigError
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.copy_engine import VirtualCopyEngine
 
 SEQ = 4  # tokens per inserted sequence
 TIMEOUT_S = 30
+MAX_STAGE_STEPS = 150_000  # schedules x modes x steps x stages: ~0.5-0.75 ms each on 2 cores, a minute or two
 
 
 class ScriptedCopyEngine(VirtualCopyEngine):
@@ -56,11 +59,36 @@ def completion_steps(delays: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def timings(copies: int, max_delay: int) -> list[tuple[int, ...]]:
-    """Delays giving every distinct completion timing of `copies` writes, one each."""
-    found: dict[tuple[int, ...], tuple[int, ...]] = {}
-    for delays in itertools.product(range(max_delay + 1), repeat=copies):
-        found.setdefault(completion_steps(delays), delays)
-    return list(found.values())
+    """Delays giving every distinct completion timing of `copies` writes, one each: the smallest delays that
+    give it, in order. Built copy by copy (copy i can complete at any step from `lo`, where the copy before it
+    and its issue put it, to `base + max_delay`), so the work is the number of timings, not (max_delay + 1) **
+    copies."""
+    found = [((), 0)]  # (delays so far, the last copy's completion step)
+    for issued in range(copies):
+        base = max(issued - 1, 0)
+        found = [
+            (delays + (0 if due == lo else due - base,), due)
+            for delays, last in found
+            for lo in [max(last, issued)]
+            for due in range(lo, max(lo, base + max_delay) + 1)
+        ]
+    return [delays for delays, _ in found]
+
+
+def count_timings(copies: int, max_delay: int, cap: float = math.inf) -> int:
+    """len(timings(copies, max_delay)), counted without building them (ways to reach each completion step);
+    once past `cap`, a number past it (a copy more never has fewer timings)."""
+    ways = {0: 1}
+    for issued in range(copies):
+        base, reached = max(issued - 1, 0), {}
+        for last, n in ways.items():
+            lo = max(last, issued)
+            for due in range(lo, max(lo, base + max_delay) + 1):
+                reached[due] = reached.get(due, 0) + n
+        ways = reached
+        if sum(ways.values()) > cap:
+            break
+    return sum(ways.values())
 
 
 def play(delays: tuple[int, ...], steps: int, sync: CacheSync) -> list[str]:
@@ -99,15 +127,38 @@ def _stage(rank: int, stages: int, port: int, schedules: list, steps: int, modes
 
 
 def check(stages: int, copies: int, max_delay: int, modes: list[str]) -> dict:
-    """Play every schedule in each mode: {mode: {schedules, broken, breaking: [per-stage delays, ...]}}."""
-    per_stage = timings(copies, max_delay)
-    schedules = list(itertools.product(per_stage, repeat=stages))
+    """Play every schedule in each mode: {mode: {schedules, broken, breaking: [per-stage delays, ...]}}.
+    The work is counted first and refused past MAX_STAGE_STEPS (a ConfigError naming the flags)."""
+    work = check_work(stages, copies, max_delay, modes)
+    schedules = list(itertools.product(timings(copies, max_delay), repeat=stages))
     with tempfile.TemporaryDirectory() as scratch:
         result = Path(scratch) / "result.json"
-        codes = spawn_ranks(_stage, stages, (schedules, copies + max_delay + 1, modes, result), TIMEOUT_S * 4)
+        limit = TIMEOUT_S + work / 1000  # 1 ms a stage-step, twice what 2 cores take
+        codes = spawn_ranks(_stage, stages, (schedules, copies + max_delay + 1, modes, result), limit)
         if not result.exists():
             raise RuntimeError(f"the exhaustive world failed: exit codes {codes}")
         return json.loads(result.read_text())
+
+
+def check_work(stages: int, copies: int, max_delay: int, modes: list[str]) -> int:
+    """Stage-steps the check would play (schedules x modes x steps x stages), counted before any is built;
+    a ConfigError naming the flags where they are out of range or the work past MAX_STAGE_STEPS."""
+    if stages not in (2, 3) or copies < 1 or max_delay < 0 or not modes:
+        raise ConfigError(
+            f"--stages {stages} --copies {copies} --max-delay {max_delay}: give 2 or 3 stages, at least 1 copy, "
+            "a delay of at least 0 steps and at least one mode"
+        )
+    per_schedule = len(modes) * (copies + max_delay + 1) * stages
+    most = MAX_STAGE_STEPS / per_schedule
+    first = (max_delay + 1) ** stages  # the first copies alone: past the bound, nothing more need be counted
+    schedules = first if first > most else count_timings(copies, max_delay, cap=most ** (1 / stages)) ** stages
+    if schedules > most:
+        raise ConfigError(
+            f"--stages {stages} --copies {copies} --max-delay {max_delay} asks for at least {schedules:.3g} "
+            f"schedules in {len(modes)} --modes ({schedules * per_schedule:.3g} stage-steps, at most "
+            f"{MAX_STAGE_STEPS:,}): lower --copies or --max-delay, or give fewer --modes"
+        )
+    return schedules * per_schedule
 
 
 def describe(schedule: list[list[int]]) -> str:
@@ -123,10 +174,14 @@ def add_exhaustive_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copies", type=int, default=3, help="host writes in flight (default 3)")
     parser.add_argument("--max-delay", type=int, default=2, help="a copy completes 0..N steps late (default 2)")
     parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=SYNC_MODES)
-    parser.add_argument("--out", default="", help="also write the result as JSON here")
+    parser.add_argument("--out", default=None, help="also write the result as JSON here")
 
 
 def cmd_exhaustive(args: argparse.Namespace) -> int:
+    if args.out:
+        if Path(args.out).is_dir():
+            raise ConfigError(f"--out {args.out} is a directory: give the JSON file's name")
+        check_writable_dir(Path(args.out).parent, "--out")
     report = check(args.stages, args.copies, args.max_delay, args.modes)
     print(f"{args.stages} stages, {args.copies} copies in flight, each 0..{args.max_delay} steps late:")
     for mode, r in report.items():

@@ -99,8 +99,9 @@ def lab(
         return Outcome(code, log.read(), leftover)
 
 
-def session_processes(sid: int) -> dict[int, str]:
-    """{pid: command line} of every live process in session `sid` (Linux /proc)."""
+def processes(match: Callable[[list[str]], bool]) -> dict[int, str]:
+    """{pid: command line} of every live process whose /proc/PID/stat fields after the command name (state,
+    ppid, pgrp, session, ...) satisfy `match` (Linux)."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -108,7 +109,7 @@ def session_processes(sid: int) -> dict[int, str]:
         try:
             stat = (entry / "stat").read_text()
             fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[3]) == sid and fields[0] != "Z":
+            if fields[0] != "Z" and match(fields):
                 found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
         except (OSError, ValueError, IndexError):
             continue  # it ended while being read
@@ -118,7 +119,7 @@ def session_processes(sid: int) -> dict[int, str]:
 def reap_session(sid: int) -> list[str]:
     """Wait up to LINGER_S for session `sid` to empty; kill and return what is still there."""
     deadline = time.monotonic() + LINGER_S
-    while (alive := session_processes(sid)) and time.monotonic() < deadline:
+    while (alive := processes(lambda f: int(f[3]) == sid)) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):

@@ -1,18 +1,24 @@
 """Randomized soak: many small random worlds, each run once per sync mode, counted by outcome.
 
+Case i of seed S is drawn from its own generator (S, i), so any range of cases can run in any invocation and
+the results add up: `--first K --runs N` runs cases K..K+N-1 and appends them to `DIR/soak_seed{S}_ranks{M}.csv`
+(a case already there is skipped), and the Markdown table beside it counts every row the CSV holds.
+
 Every case draws a world (tp 1-2, cp 1-2, pp 1-4, at most `--max-ranks` ranks), a write policy, a page size,
 the storage tier on or off (with a prefetch policy, maybe flushing between rounds), virtual or real latency,
-a chunked prefill size, an answer length (long answers run out of decode memory: retractions), in a third of
-the cases one rank's allocation fault (`--fault alloc-fail:R@N`: its Nth slot allocation for a copy fails), and
-a workload seed; the same case then runs once in each mode (`fixed`, `legacy`), as its own
-`python -m hicache_lab run` process group with a hard wall-clock limit. A run is counted as
+a chunked prefill size, an answer length (long answers run out of decode memory: retractions), a fault on one
+rank in a third of the cases (`alloc-fail:R@N`, its Nth slot allocation for a copy fails; or, with the file
+store, `damage-page:R@N`, the Nth page it reads is damaged on disk), in a quarter a pause of one rank
+(SIGSTOP, then SIGCONT 1-4 s later: well inside the collective timeout), and a workload seed. The same case
+then runs once in each mode (`fixed`, `legacy`), as its own `python -m hicache_lab run` process group with a
+hard wall-clock limit. A run is counted as
 
 * a **hang** if it outlives the limit (its whole process group is killed),
 * a **crash** if any rank raised or ended without a result,
 * a **divergence** if ranks consumed different acks, ran different batches or hold different trees,
 * an **output mismatch** if a served request's logits or tokens differ from a from-scratch computation.
 
-Results: a CSV with one row per run and a Markdown table per mode, `DIR/soak_{tag}.csv` / `.md`.
+`--hostile` runs the hostile-input cases (lab/hostile_cases.py) instead, the slow ones too.
 """
 
 from __future__ import annotations
@@ -20,19 +26,26 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
 from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
+from ..errors import ConfigError
+from .hostile import judge_all, processes, table
+from .hostile_cases import CASES
 from .presets import BENCH_RESULTS, WORLD
+
+OUTCOMES = ("diverged", "crashed", "hung", "mismatched")
 
 
 @dataclass
@@ -51,7 +64,8 @@ class Case:
     delay: int  # virtual: max copy delay in steps; real: mean injected delay in ms
     chunk: int  # --chunked-prefill-size (-1: off)
     output_length: int  # 8, or 32: decode memory runs short and requests are retracted
-    alloc_fault: str  # "R@N": rank R's Nth slot allocation for a copy fails; "" for none
+    fault: str  # "alloc-fail:R@N" or "damage-page:R@N" (file store only); "" for none
+    pause: str  # "R@T+D": rank R is stopped T s after the start, for D s; "" for none
 
     @property
     def ranks(self) -> int:
@@ -68,8 +82,8 @@ class Case:
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
-        if self.alloc_fault:
-            args += ["--fault", f"alloc-fail:{self.alloc_fault}"]
+        if self.fault:
+            args += ["--fault", self.fault]
         if self.storage:
             args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", self.prefetch_policy]
             args += ["--storage-prefetch-threshold", "16"]
@@ -78,51 +92,85 @@ class Case:
         return args
 
 
-def draw_cases(runs: int, seed: int, max_ranks: int) -> list[Case]:
-    """`runs` random cases, reproducible from `seed`."""
-    rng = np.random.default_rng(seed)
-    cases = []
-    while len(cases) < runs:
+def draw_case(seed: int, index: int, max_ranks: int) -> Case:
+    """Case `index` of `seed`: the same on every invocation, whatever else runs."""
+    rng = np.random.default_rng([seed, index])
+    while True:
         tp, cp, pp = int(rng.integers(1, 3)), int(rng.integers(1, 3)), int(rng.integers(1, 5))
-        if tp * cp * pp > max_ranks:
-            continue
-        latency = str(rng.choice(["virtual", "real"]))
-        cases.append(
-            Case(
-                case=len(cases),
-                seed=int(rng.integers(0, 2**31)),
-                tp=tp,
-                cp=cp,
-                pp=pp,
-                write_policy=str(rng.choice(WRITE_POLICIES)),
-                page_size=int(rng.choice([1, 2, 4])),
-                storage=bool(rng.random() < 0.4),
-                prefetch_policy=str(rng.choice(PREFETCH_POLICIES)),
-                flush=bool(rng.random() < 0.5),
-                latency=latency,
-                delay=int(rng.integers(1, 4)) if latency == "virtual" else int(rng.integers(0, 3)),
-                chunk=int(rng.choice([-1, 16, 48, 4096])),
-                output_length=int(rng.choice([8, 32])),
-                alloc_fault=f"{rng.integers(0, tp * cp * pp)}@{rng.integers(0, 30)}" if rng.random() < 1 / 3 else "",
-            )
-        )
-    return cases
+        if tp * cp * pp <= max_ranks:
+            break
+    ranks, latency, storage = tp * cp * pp, str(rng.choice(["virtual", "real"])), bool(rng.random() < 0.4)
+    fault = ""
+    if rng.random() < 1 / 3:
+        kind = "damage-page" if storage and rng.random() < 0.5 else "alloc-fail"
+        fault = f"{kind}:{rng.integers(0, ranks)}@{rng.integers(0, 30)}"
+    pause = f"{rng.integers(0, ranks)}@{rng.uniform(0.5, 4):.1f}+{rng.uniform(1, 4):.1f}" if rng.random() < 0.25 else ""
+    return Case(
+        case=index,
+        seed=int(rng.integers(0, 2**31)),
+        tp=tp,
+        cp=cp,
+        pp=pp,
+        write_policy=str(rng.choice(WRITE_POLICIES)),
+        page_size=int(rng.choice([1, 2, 4])),
+        storage=storage,
+        prefetch_policy=str(rng.choice(PREFETCH_POLICIES)),
+        flush=bool(rng.random() < 0.5),
+        latency=latency,
+        delay=int(rng.integers(1, 4)) if latency == "virtual" else int(rng.integers(0, 3)),
+        chunk=int(rng.choice([-1, 16, 48, 4096])),
+        output_length=int(rng.choice([8, 32])),
+        fault=fault,
+        pause=pause,
+    )
+
+
+def rank_pids(launcher: int, ranks: int) -> list[int]:
+    """The rank processes of a launcher, in rank order (spawned in order; one rank runs in the launcher)."""
+    if ranks == 1:
+        return [launcher]
+    children = processes(lambda f: int(f[1]) == launcher)
+    return sorted(pid for pid, command in children.items() if "spawn_main" in command)
+
+
+def _pause(proc: subprocess.Popen, case: Case, done: threading.Event) -> str:
+    """Stop rank R of the running case for D s, T s after its ranks have started (`Case.pause`); what
+    happened, in words."""
+    rank, _, timing = case.pause.partition("@")
+    after, _, length = timing.partition("+")
+    while len(pids := rank_pids(proc.pid, case.ranks)) < case.ranks:
+        if done.wait(0.1):
+            return "ended before its ranks were found"
+    if done.wait(float(after)):
+        return "ended before the pause"
+    try:
+        os.kill(pids[int(rank)], signal.SIGSTOP)
+        time.sleep(float(length))
+        os.kill(pids[int(rank)], signal.SIGCONT)
+    except ProcessLookupError:
+        return "the rank ended during the pause"
+    return "paused"
 
 
 def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
     """One run in its own process group; killed as a whole past `limit_s`."""
     run_dir = out_dir / f"case{case.case:04d}_{mode}"
     command = [sys.executable, "-m", "hicache_lab", "run", *case.args(mode), "--out", str(run_dir)]
-    started = time.monotonic()
+    started, paused = time.monotonic(), ""
     with open(out_dir / f"case{case.case:04d}_{mode}.log", "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            proc.wait(timeout=limit_s)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
-            proc.wait()
-            hung = True
+        done = threading.Event()
+        with ThreadPoolExecutor(1) as pauser:
+            pausing = pauser.submit(_pause, proc, case, done) if case.pause else None
+            try:
+                proc.wait(timeout=limit_s)
+                hung = False
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher and every rank it spawned
+                proc.wait()
+                hung = True
+            done.set()
+            paused = pausing.result() if pausing else ""
     row = {**asdict(case), "ranks": case.ranks, "mode": mode, "elapsed_s": round(time.monotonic() - started, 1)}
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() and not hung else None
@@ -134,6 +182,8 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
         diverged=bool(divergence),
         mismatched=bool(summary) and summary["outputs_match_reference"] is False,
         first_divergence=f"step {divergence['step']} {divergence['quantity']}" if divergence else "",
+        fault_fired=any(f["fired"] for f in (summary or {}).get("faults", []) if f["asked"].startswith("--fault")),
+        paused=paused,
         chunks=(summary or {}).get("scheduling", {}).get("chunked_prefills", 0),
         retractions=(summary or {}).get("scheduling", {}).get("retractions", 0),
         error=(summary or {}).get("error") or ("" if summary or hung else f"no summary (exit {proc.returncode})"),
@@ -142,62 +192,124 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
 
 
 def summarize_rows(rows: list[dict], modes: list[str]) -> str:
-    """The Markdown table: per mode, how many runs ended in each way."""
+    """Two Markdown tables: per mode, how many runs ended in each way and what pressure they ran under; per mode
+    and world size, runs and failures."""
     lines = [
-        "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate "
-        "| runs with chunks | runs with retractions | runs with an allocation fault |",
-        "|------|-----:|------------:|--------:|------:|------------------:|----------------:"
-        "|-----------------:|----------------------:|------------------------------:|",
+        "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate | runs with chunks "
+        "| runs with retractions | allocation faults (fired) | page damage (fired) | rank pauses |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
-        counts = [sum(r[k] for r in mine) for k in ("diverged", "crashed", "hung", "mismatched")]
+        counts = [sum(_flag(r[k]) for r in mine) for k in OUTCOMES]
         rate = counts[0] / len(mine) if mine else 0.0
-        pressure = [sum(bool(r[k]) for r in mine) for k in ("chunks", "retractions", "alloc_fault")]
+        pressure = [sum(int(r[k] or 0) > 0 for r in mine) for k in ("chunks", "retractions")]
+        faults = []
+        for kind in ("alloc-fail", "damage-page"):
+            drawn = [r for r in mine if r["fault"].startswith(kind)]
+            faults.append(f"{len(drawn)} ({sum(_flag(r['fault_fired']) for r in drawn)})")
+        pauses = sum(r["paused"] == "paused" for r in mine)
         lines.append(
-            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | {' | '.join(map(str, pressure))} |"
+            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | "
+            f"{' | '.join(map(str, pressure))} | {' | '.join(faults)} | {pauses} |"
         )
+    lines += ["", "| mode | ranks | runs | failures |", "|---|--:|--:|--:|"]
+    for mode in modes:
+        for ranks in sorted({int(r["ranks"]) for r in rows if r["mode"] == mode}):
+            mine = [r for r in rows if r["mode"] == mode and int(r["ranks"]) == ranks]
+            failed = sum(any(_flag(r[k]) for k in OUTCOMES) for r in mine)
+            lines.append(f"| {mode} | {ranks} | {len(mine)} | {failed} |")
     return "\n".join(lines)
 
 
+def _flag(value) -> bool:
+    """A CSV cell (or a fresh row's value) as a bool."""
+    return value is True or value == "True"
+
+
 def add_soak_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--runs", type=int, default=200, help="random cases; each runs once per mode (default 200)")
+    parser.add_argument("--runs", type=int, default=200, help="cases to run; each runs once per mode (default 200)")
+    parser.add_argument("--first", type=int, default=0, help="index of the first case (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the case draw (default 0)")
     parser.add_argument("--jobs", type=int, default=1, help="worlds run at once (default 1)")
     parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=SYNC_MODES)
-    parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn (default 8)")
+    parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn, 1-16 (default 8)")
     parser.add_argument("--limit-s", type=float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")
     parser.add_argument("--results", default=str(BENCH_RESULTS), help="where the CSV and table go")
-    parser.add_argument("--tag", default="", help="results file name: soak_{tag}.csv (default: runs and seed)")
+    parser.add_argument(
+        "--hostile", action="store_true", help="run every hostile-input case (lab/hostile_cases.py) instead"
+    )
+    parser.add_argument("--table", action="store_true", help="with --hostile: print the README's table, run nothing")
+
+
+def check_soak_args(args: argparse.Namespace) -> None:
+    for flag, value, low in (("--runs", args.runs, 1), ("--first", args.first, 0), ("--jobs", args.jobs, 1)):
+        if value < low:
+            raise ConfigError(f"soak {flag} {value}: must be at least {low}")
+    if not 1 <= args.max_ranks <= 16:
+        raise ConfigError(f"soak --max-ranks {args.max_ranks}: worlds have 1 to 16 ranks (tp, cp <= 2, pp <= 4)")
+    if not (math.isfinite(args.limit_s) and args.limit_s > 0):
+        raise ConfigError(f"soak --limit-s {args.limit_s}: give a positive number of seconds")
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
+    check_soak_args(args)
+    if args.hostile:
+        return cmd_hostile(args)
     out_dir, results = Path(args.out), Path(args.results)
     out_dir.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
-    tag = args.tag or f"{args.runs}runs_seed{args.seed}"
-    cases = draw_cases(args.runs, args.seed, args.max_ranks)
-    jobs = [(case, mode) for mode in args.modes for case in cases]  # mode by mode: a cut-short soak still counts
+    csv_path = results / f"soak_seed{args.seed}_ranks{args.max_ranks}.csv"
     rows = []
-    csv_path, table_path = results / f"soak_{tag}.csv", results / f"soak_{tag}.md"
-    command = " ".join(["python -m hicache_lab soak", *sys.argv[2:]])
-    with ThreadPoolExecutor(args.jobs) as pool, open(csv_path, "w", newline="") as f:
-        writer = None
+    if csv_path.exists():
+        with open(csv_path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    have = {(int(r["case"]), r["mode"]) for r in rows}
+    cases = [draw_case(args.seed, i, args.max_ranks) for i in range(args.first, args.first + args.runs)]
+    jobs = [(c, m) for m in args.modes for c in cases if (c.case, m) not in have]  # mode by mode
+    print(f"{len(jobs)} runs to go ({len(cases) * len(args.modes) - len(jobs)} already in {csv_path})")
+    columns = [f.name for f in fields(Case)] + ["ranks", "mode", "elapsed_s", *OUTCOMES]
+    columns += ["first_divergence", "fault_fired", "paused", "chunks", "retractions", "error"]
+    with ThreadPoolExecutor(args.jobs) as pool, open(csv_path, "a", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        if not rows:
+            writer.writeheader()
         futures = [pool.submit(run_case, case, mode, out_dir, args.limit_s) for case, mode in jobs]
         for done, future in enumerate(futures, 1):
             row = future.result()
             rows.append(row)
-            writer = writer or csv.DictWriter(f, fieldnames=list(row))
-            if done == 1:
-                writer.writeheader()
             writer.writerow(row)
             f.flush()
-            flags = [k for k in ("diverged", "crashed", "hung", "mismatched") if row[k]]
+            flags = [k for k in OUTCOMES if row[k]]
             world = f"tp{row['tp']} cp{row['cp']} pp{row['pp']}"
             print(f"[{done}/{len(jobs)}] case {row['case']} {row['mode']:<6} {world} {','.join(flags) or 'ok'}")
-            table = summarize_rows(rows, args.modes)
-            table_path.write_text(f"# Soak: {done} of {len(jobs)} runs\n\n`{command}`\n\n{table}\n")
+    modes = [m for m in SYNC_MODES if any(r["mode"] == m for r in rows)]
+    table = summarize_rows(rows, modes)
+    invocation = f"`python -m hicache_lab soak --seed {args.seed} --max-ranks {args.max_ranks} ...`"
+    csv_path.with_suffix(".md").write_text(f"# Soak: {len(rows)} runs\n\n{invocation}, cases appended\n\n{table}\n")
     print(table)
     fixed = [r for r in rows if r["mode"] == "fixed"]
-    return 1 if any(r[k] for r in fixed for k in ("diverged", "crashed", "hung", "mismatched")) else 0
+    return 1 if any(_flag(r[k]) for r in fixed for k in OUTCOMES) else 0
+
+
+def cmd_hostile(args: argparse.Namespace) -> int:
+    """Every hostile-input case, `--jobs` at once; a table of what failed in `--results`/hostile.md."""
+    if args.table:
+        print(table(CASES))
+        return 0
+    lines = ["| class | case | result |", "|---|---|---|"]
+    failed = 0
+    for case, problems in judge_all(CASES, args.jobs):
+        failed += bool(problems)
+        verdict = "ok" if not problems else "; ".join(problems[:-1]).replace("|", "\\|")
+        lines.append(f"| {case.klass} | {case.name} | {verdict} |")
+        print(f"class {case.klass:>2}  {case.name[:70]:<70} {'ok' if not problems else 'FAILED'}")
+        for problem in problems:
+            print(f"    {problem}")
+    Path(args.results).mkdir(parents=True, exist_ok=True)
+    report = Path(args.results) / "hostile.md"
+    title = f"# Hostile input: {len(CASES) - failed} of {len(CASES)} cases as required"
+    report.write_text(title + "\n\n" + "\n".join(lines) + "\n")
+    print(f"{len(CASES) - failed} of {len(CASES)} cases as required; {report}")
+    return 1 if failed else 0

@@ -187,6 +187,15 @@ ENTRIES = {
             expect="pop from empty list",
         ),
         Entry(
+            "stage_damaged_page",
+            "a page damaged in one stage's shard alone: the pages a prefetch read are agreed at admission by PP rank "
+            "0's attention peers, so the later stage holds fewer than the count relayed to it",
+            "#27010 (PP + L3: prefetch progress agreed as acks on the storage sync groups, across stages)",
+            f"--pp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2 --fault damage-page:1@3",
+            ("prefetch_completion",),
+            expect="can arrive here",
+        ),
+        Entry(
             "prefetch_early_return",
             "a rank without a request's prefetch returns before check_prefetch_progress's collective, where its "
             "peer waits alone (their prefetches differ after a host write that failed on one rank)",

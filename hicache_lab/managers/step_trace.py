@@ -9,6 +9,7 @@ table for notebooks.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 from dataclasses import dataclass
@@ -50,17 +51,24 @@ def consensus_values(record: StepRecord) -> dict[str, int]:
 
 
 class TraceWriter:
+    """One rank's trace file, flushed line by line. A write that fails (a full disk) raises OSError naming the
+    file; `close()` then does not raise again for the line it could not write."""
+
     def __init__(self, path: Path, rank: int):
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
+        self.rank, self.path = rank, path
         self.file = path.open("w")  # noqa: SIM115 - held open for the whole run, closed by close()
 
     def write(self, record: StepRecord) -> None:
-        self.file.write(json.dumps({"rank": self.rank, **dataclasses.asdict(record)}) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps({"rank": self.rank, **dataclasses.asdict(record)}) + "\n")
+            self.file.flush()
+        except OSError as exc:
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
 
     def close(self) -> None:
-        self.file.close()
+        with contextlib.suppress(OSError):
+            self.file.close()
 
 
 def trace_path(out_dir: Path, rank: int) -> Path:
@@ -68,8 +76,12 @@ def trace_path(out_dir: Path, rank: int) -> Path:
 
 
 def read_trace(out_dir: Path) -> list[dict]:
-    paths = sorted(Path(out_dir).glob("trace_rank*.jsonl"))
-    return [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    """Every rank's steps; a last line cut short (a full disk, a rank killed as it wrote) is not a step."""
+    rows = []
+    for path in sorted(Path(out_dir).glob("trace_rank*.jsonl")):
+        lines = path.read_text().split("\n")
+        rows += [json.loads(line) for line in lines[:-1]]  # the last piece: "" after a whole line, or cut short
+    return rows
 
 
 def load_trace(out_dir: Path):

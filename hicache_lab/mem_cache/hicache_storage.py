@@ -33,6 +33,7 @@ import logging
 import os
 import stat
 import tempfile
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -44,6 +45,8 @@ from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
 MAGIC = b"HCLP2"  # file format tag: magic, 32-byte sha256 of key and payload, payload (float32 K/V of one page)
+MOONCAKE_RPC_FAIL = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer
+MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest global segment a Mooncake client accepts (its setup refuses less)
 KV_DTYPE = "float32"  # what the pools hold (memory_pool.py); part of every key
 
 
@@ -164,7 +167,10 @@ class FileStorage:
 class MooncakeStorage:
     """Mooncake's distributed KV store, the L3 that SGLang users run (`mooncake-transfer-engine-non-cuda`;
     its import needs the system library `libibverbs1`). Pages travel zero-copy through one registered
-    staging buffer with the store's batch calls. Mooncake clients listen on every interface, so the lab runs
+    staging buffer with the store's batch calls, one batch at a time (the read and backup threads share it).
+    A master that stops answering (RPC_FAIL) takes the store with it: its index of what the store holds lives
+    in its memory, so the rank counts the store as lost and answers every later call at once with a miss (a
+    failed put to a dead master takes seconds). Mooncake clients listen on every interface, so the lab runs
     them inside a loopback-only network namespace (see tests/mem_cache/test_mooncake_storage.py)."""
 
     def __init__(self, master: str, metadata_url: str, suffix: str, page_bytes: int, batch_pages: int = 128):
@@ -177,12 +183,15 @@ class MooncakeStorage:
             ) from exc
         self.store = MooncakeDistributedStore()
         segment = 2 * page_bytes * batch_pages
-        if self.store.setup("127.0.0.1", metadata_url, 64 * segment, segment, "tcp", "", master) != 0:
+        global_segment = max(MOONCAKE_MIN_SEGMENT, 64 * segment)
+        if self.store.setup("127.0.0.1", metadata_url, global_segment, segment, "tcp", "", master) != 0:
             raise RuntimeError(f"could not join the Mooncake store at master {master}: is mooncake_master running?")
         self.suffix, self.page_bytes, self.batch_pages = suffix, page_bytes, batch_pages
         self.staging = torch.zeros(batch_pages * page_bytes // 4)
         if self.store.register_buffer(self.staging.data_ptr(), self.staging.numel() * 4) != 0:
             raise RuntimeError("Mooncake refused to register the staging buffer")
+        self.staging_lock = threading.Lock()
+        self.master, self.lost = master, False
         self.stats: Counter[str] = Counter()
 
     def _chunks(self, hashes: list[str], page_slots: list[torch.Tensor]):
@@ -197,34 +206,47 @@ class MooncakeStorage:
         """The staging rows of the batch's page i."""
         return self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
 
+    def _answered(self, codes: list[int]) -> bool:
+        """Whether the master answered the call that returned `codes`; if not, the store is lost from now on."""
+        if MOONCAKE_RPC_FAIL in codes and not self.lost:
+            log.warning("the Mooncake master at %s does not answer: its store is lost, later calls miss", self.master)
+            self.lost = True
+        return not self.lost
+
     def batch_exists(self, hashes: list[str]) -> int:
-        count = 0
-        for present in self.store.batch_is_exist([f"{h}_{self.suffix}" for h in hashes]):
-            if present != 1:
-                break
-            count += 1
-        return count
+        if self.lost:
+            return 0
+        found = self.store.batch_is_exist([f"{h}_{self.suffix}" for h in hashes])
+        if not self._answered(found):
+            return 0
+        return next((i for i, present in enumerate(found) if present != 1), len(found))
 
     def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         done = 0
         for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
-            for i, (size, page) in enumerate(
-                zip(self.store.batch_get_into(keys, addresses, sizes), slots, strict=True)
-            ):
-                if size != self.page_bytes:
-                    self.stats["read_misses"] += 1
-                    return done
-                host.set_page_data(page, self._staged(i).view(host.page_shape(len(page))))
-                done += 1
-                self.stats["pages_read"] += 1
+            if self.lost:
+                return done
+            with self.staging_lock:
+                read = self.store.batch_get_into(keys, addresses, sizes)
+                for i, (size, page) in enumerate(zip(read, slots, strict=True)):
+                    if size != self.page_bytes or not self._answered(read):
+                        self.stats["read_misses"] += 1
+                        return done
+                    host.set_page_data(page, self._staged(i).view(host.page_shape(len(page))))
+                    done += 1
+                    self.stats["pages_read"] += 1
         return done
 
     def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         done = 0
         for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
-            for i, page in enumerate(slots):
-                self._staged(i).copy_(host.page_data(page).flatten())
-            results = self.store.batch_put_from(keys, addresses, sizes)
+            if self.lost:
+                return done
+            with self.staging_lock:
+                for i, page in enumerate(slots):
+                    self._staged(i).copy_(host.page_data(page).flatten())
+                results = self.store.batch_put_from(keys, addresses, sizes)
+            self._answered(results)
             ok = next((i for i, rc in enumerate(results) if rc != 0), len(results))
             done += ok
             self.stats["pages_written"] += ok

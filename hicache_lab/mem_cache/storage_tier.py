@@ -11,9 +11,12 @@
   gloo groups, across stages too (a background thread is not held by the pipeline). The scheduler takes the
   answers in issue order, by a count agreed in the step's check (SGLang's `prefetch_hit_queue`): below the
   threshold the prefetch is revoked, else host slots are allocated for the hit (evicting from the host; a
-  shorter prefix when the host cannot hold it all) and the pages are read in batches of 128. At admission
-  (`prefetch_ready`, on the scheduler's groups) PP rank 0 decides whether to stop waiting (MAX over its
-  attention peers, relayed down the pipeline), and `take_prefetch` how many pages arrived (MIN).
+  shorter prefix when the host cannot hold it all) and the read thread reads the pages in batches of 128. After
+  every batch it agrees how many pages have arrived (SGLang 0.5.23's progressive prefetch acks, reduced on
+  their own `prefetch_completion_sync_groups`): with `prefetch_completion` the MIN over every rank that reads
+  them, across stages too, so a page damaged on one rank is a miss on all. At admission (`prefetch_ready`, on
+  the scheduler's groups) PP rank 0 decides whether to stop waiting (MAX over its attention peers, relayed down
+  the pipeline), and `take_prefetch` how many of the agreed pages to keep (MIN, relayed).
 
 The tier never changes the tree: `HiRadixCache` protects the host copy of a prefetch's anchor and of what a
 backup reads, inserts the pages that arrived, and releases both when the tier hands the operation back.
@@ -21,13 +24,16 @@ backup reads, inserts the pages that arrived, and releases both when the tier ha
 Two ways to run the workers, chosen by the latency model:
 
 * `virtual` - step-driven, deterministic: a hit query counts as answered a seeded number of steps after it was
-  issued (its thread answers at once; the scheduler waits for it if not), every batch read and backup completes
-  a seeded number of steps later (drawn per rank), really moving bytes then; `timeout` counts steps.
-* `real` - a backup thread and a read thread besides the query thread, as in SGLang; `timeout` is wall time.
+  issued, a batch read a seeded number of steps after its prefetch started (drawn per rank; the threads work at
+  once, and the scheduler waits for them where they have not), and a backup completes a seeded number of steps
+  later, really moving bytes then; `timeout` counts steps.
+* `real` - a backup thread besides the query and read threads, as in SGLang; what counts is what the threads
+  have done; `timeout` is wall time.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -43,6 +49,7 @@ from .memory_pool import PageAllocator
 from .memory_pool_host import HostKVPool
 from .radix_tree import TreeNode, page_hashes
 
+log = logging.getLogger(__name__)
 STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 
 
@@ -66,12 +73,19 @@ class PrefetchOp:
     queried: threading.Event = field(default_factory=threading.Event)
     host_slots: torch.Tensor | None = None  # allocated once the hit is known, sized to it
     hits: int | None = None  # pages to read (0: revoked); None until the scheduler took the query's answer
-    due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read completes
+    due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read counts as done
     waiting_since: float | None = None  # real `timeout`: when admission first had to wait for it
-    arrived: int = 0  # leading pages read into host slots
-    failed: bool = False  # a page could not be read: no more arrive
+    arrived: int = 0  # leading pages read into host slots on this rank
+    failed: bool = False  # a page could not be read here: no more arrive
+    agreed: list[int] = field(default_factory=list)  # per batch read, the pages arrived as the ranks agreed
     terminated: bool = False  # the scheduler took what arrived: the worker must not write any more
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    progress: threading.Condition = field(default_factory=threading.Condition)  # guards the fields above
+
+    def batches(self) -> list[slice]:
+        """The page ranges of its storage reads."""
+        return [
+            slice(i, min(i + STORAGE_BATCH_PAGES, self.hits)) for i in range(0, self.hits or 0, STORAGE_BATCH_PAGES)
+        ]
 
 
 @dataclass
@@ -110,8 +124,8 @@ class StorageTier:
         # SGLang 0.5.23's limit: prefetches in flight may ask for at most half of the host pool
         self.prefetch_capacity = int(0.5 * host_alloc.size)
         self.error: BaseException | None = None  # from a worker thread, raised on the scheduler's next call
-        workers = {"query": self._query} | (
-            {"backup": self._write, "read": self._read} if cfg.latency == "real" else {}
+        workers = {"query": self._query, "read": self._read} | (
+            {"backup": self._write} if cfg.latency == "real" else {}
         )
         self.queues = {name: queue.Queue() for name in workers}
         self.threads = [
@@ -123,8 +137,8 @@ class StorageTier:
 
     @property
     def threaded(self) -> bool:
-        """Whether reads and backups run on threads (real latency), not at due steps."""
-        return "read" in self.queues
+        """Whether what the threads have done counts (real latency), not the due steps (virtual)."""
+        return "backup" in self.queues
 
     def _worker(self, jobs: queue.Queue, work) -> None:
         while (op := jobs.get()) is not None:
@@ -155,7 +169,10 @@ class StorageTier:
 
     def _write(self, op: BackupOp) -> None:
         if self.writer:
-            self.stats.pages_backed_up += self.backend.batch_set(op.hashes, self.host_pool, op.pages)
+            try:
+                self.stats.pages_backed_up += self.backend.batch_set(op.hashes, self.host_pool, op.pages)
+            except Exception as exc:  # a store gone away: the pages are simply not stored
+                log.warning("storage write of %d pages failed: %s", len(op.hashes), exc)
         op.done.set()
 
     def backups_done(self) -> int:
@@ -201,7 +218,12 @@ class StorageTier:
 
     def _query(self, op: PrefetchOp) -> None:
         """The query thread: leading pages in storage, agreed (MIN) over the prefetch groups."""
-        (op.found,) = self.sync.agree_storage([self.backend.batch_exists(op.hashes)])
+        try:
+            found = self.backend.batch_exists(op.hashes)
+        except Exception as exc:  # a store gone away: nothing found, and this rank still votes
+            log.warning("storage lookup of %d pages failed: %s", len(op.hashes), exc)
+            found = 0
+        (op.found,) = self.sync.agree_storage([found])
         op.queried.set()
 
     def queries_done(self) -> int:
@@ -238,33 +260,53 @@ class StorageTier:
                 op.hits = 0
                 continue
             op.host_slots, op.hits = slots, pages
-            if self.threaded:
-                self.queues["read"].put(op)
-            else:
-                previous = self.step
-                for _ in range(0, pages, STORAGE_BATCH_PAGES):
-                    previous = self._due(previous)
-                    op.due.append(previous)
-                self._read_due(op)
+            previous = self.step
+            for _ in op.batches():
+                previous = self._due(previous)
+                op.due.append(previous)
+            self.queues["read"].put(op)
         self.queries = self.queries[count:]
 
     def _read(self, op: PrefetchOp) -> None:
-        """The read thread: batch after batch until done or terminated."""
-        while op.arrived < op.hits and not op.failed:
-            if not self._read_batch(op):
-                return
-
-    def _read_batch(self, op: PrefetchOp) -> bool:
-        """Read the next batch into its host slots, unless the scheduler has already ended the prefetch."""
+        """The read thread: every batch in turn, then the pages arrived so far agreed (`agree_prefetch_completion`).
+        A batch after a failure, or after the scheduler ended the prefetch (its host slots may be freed), reads
+        nothing but is agreed all the same: every rank enters as many collectives."""
         pages = list(op.host_slots.split(self.cfg.page_size))
-        batch = slice(op.arrived, min(op.arrived + STORAGE_BATCH_PAGES, op.hits))
-        with op.lock:
-            if op.terminated:  # its host slots may be freed already
-                return False
-            read = self.backend.batch_get(op.hashes[batch], self.host_pool, pages[batch])
-            op.arrived += read
-            op.failed = read < batch.stop - batch.start  # a missing or damaged page ends the prefetch there
-        return True
+        for batch in op.batches():
+            with op.progress:
+                if not (op.terminated or op.failed):
+                    read = self._read_pages(op.hashes[batch], pages[batch])
+                    op.arrived += read
+                    op.failed = read < batch.stop - batch.start  # a missing or damaged page ends it there
+                arrived = op.arrived
+            (agreed,) = self.sync.agree_prefetch_completion([arrived])
+            with op.progress:
+                op.agreed.append(agreed)
+                op.progress.notify_all()
+
+    def _read_pages(self, hashes: list[str], pages: list[torch.Tensor]) -> int:
+        try:
+            return self.backend.batch_get(hashes, self.host_pool, pages)
+        except Exception as exc:  # a store gone away mid-read: what did not arrive is a miss
+            log.warning("storage read of %d pages failed: %s", len(hashes), exc)
+            return 0
+
+    def _agreed(self, op: PrefetchOp) -> tuple[int, bool]:
+        """(pages this rank counts as arrived, whether no more will): under real latency what the read thread
+        has agreed so far; under virtual latency what it agreed for the batches due by now (waiting for it)."""
+        if op.hits is None:
+            return 0, False
+        batches = op.batches()
+        with op.progress:
+            due = len(op.agreed) if self.threaded else sum(d <= self.step for d in op.due)
+            while len(op.agreed) < due:
+                self._check_worker()
+                op.progress.wait(0.05)
+            agreed = op.agreed[:due]
+        if not agreed:
+            return 0, not batches
+        pages = agreed[-1]
+        return pages, len(agreed) == len(batches) or pages < batches[len(agreed) - 1].stop
 
     def _timed_out(self, op: PrefetchOp) -> bool:
         """`timeout`: steps since issue under virtual latency; under real latency wall time since admission
@@ -287,7 +329,7 @@ class StorageTier:
         op = self.prefetches.get(rid)
         if op is None and "prefetch_vote" not in self.sync.fixes:
             return True  # before the collective: a peer that has this prefetch waits in it alone (#38273)
-        complete = op is None or (op.hits is not None and (op.failed or op.arrived >= op.hits))
+        complete = op is None or self._agreed(op)[1]
         if op is None or self.cfg.prefetch_policy == "best_effort":
             ready = True
         elif self.cfg.prefetch_policy == "wait_complete":
@@ -303,25 +345,25 @@ class StorageTier:
         op = self.prefetches.pop(rid, None)
         if op is None and "prefetch_vote" not in self.sync.fixes:
             return None
-        (pages,) = self.sync.agree_prefetch_progress([op.arrived if op is not None else 0])
+        (pages,) = self.sync.agree_prefetch_progress([self._agreed(op)[0] if op is not None else 0])
         if op is None:
             return None
-        self._wait_for_pages(op, pages)  # a later stage may hold fewer than stage 0 saw arrive
-        with op.lock:
-            op.terminated = True
+        self._wait_for_pages(op, pages)
         self.stats.pages_prefetched += pages
         self.stats.cut_short += op.hits is None or (pages < op.hits and not op.failed)
         return op, pages
 
     def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
-        while op.arrived < pages:
-            self._check_worker()
-            if op.failed or (op.hits is not None and op.hits < pages):
-                raise RuntimeError(f"{pages} prefetched pages were agreed, but only {op.arrived} can arrive here")
-            if self.threaded:
-                threading.Event().wait(0.001)
-            else:
-                self._read_batch(op)
+        """Wait until this rank's read thread has agreed `pages` (a later stage runs behind stage 0), then end the
+        prefetch. With `prefetch_completion` every rank reaches every agreed count; without it a rank agrees with
+        its own attention peers only, and a page damaged on a later stage alone leaves that stage short."""
+        with op.progress:
+            while (op.agreed[-1] if op.agreed else 0) < pages:
+                if op.hits is None or len(op.agreed) == len(op.batches()):
+                    raise RuntimeError(f"{pages} prefetched pages were agreed, but only {op.arrived} can arrive here")
+                self._check_worker()
+                op.progress.wait(0.05)
+            op.terminated = True
 
     def summary(self) -> dict:
         s = self.stats
@@ -338,25 +380,13 @@ class StorageTier:
     # -- time --------------------------------------------------------------------------------------
 
     def advance(self, step: int) -> None:
-        """Virtual latency: complete every storage read and write due by `step`."""
+        """Virtual latency: complete every storage write due by `step` (reads count by their due steps)."""
         self.step = step
         if self.threaded:
             return
         for op in self.backups:
             if not op.done.is_set() and op.due <= step:
                 self._write(op)
-        for op in self.prefetches.values():
-            self._read_due(op)
-
-    def _read_due(self, op: PrefetchOp) -> None:
-        """Virtual latency: read the batches of `op` due by now."""
-        while (
-            op.hits
-            and op.arrived < op.hits
-            and not op.failed
-            and op.due[op.arrived // STORAGE_BATCH_PAGES] <= self.step
-        ):
-            self._read_batch(op)
 
     def finish_all(self) -> list[TreeNode]:
         """Between rounds (no request waiting): take the answers of ended prefetches' queries, complete every
@@ -366,10 +396,15 @@ class StorageTier:
         return self.release_backups(len(self.backups))
 
     def close(self) -> None:
-        """Stop the workers. One still in a collective whose peers are gone (a crashed world) is left to die
-        with the process (daemon threads), so that this rank can still write its result."""
+        """Stop the workers once they have done what is queued (the read thread's last agreements need every
+        rank), then their groups. One still in a collective whose peers are gone (a crashed world) is left to
+        die with the process (daemon threads), so that this rank can still write its result."""
         for jobs in self.queues.values():
             jobs.put(None)
         for thread in self.threads:
             thread.join(timeout=5)
+        if busy := [thread.name for thread in self.threads if thread.is_alive()]:
+            log.warning("%s still busy at the end (a store or a peer gone?): the store is left open", busy)
+            return  # closing a store under a call in flight can crash the process (Mooncake's client does)
+        self.sync.destroy_storage_groups()
         self.backend.close()

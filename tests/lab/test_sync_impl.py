@@ -1,15 +1,21 @@
 """`--sync-impl SLOT=MODULE:FUNCTION` puts your own `_pp_sync` / `writing_check` in every rank; the exercise
-check fails a relay that forgets to pass the count on and passes the right one."""
+check fails a relay that forgets to pass the count on and passes the right one. Your code is bounded: a call that
+raises anything (`sys.exit` included) or never returns, and an import that exits, stop the run with an error that
+names the `--sync-impl`, in a world of one rank too (it runs in the launcher's process, with no peer to time out)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from hicache_lab.config import ParallelConfig
+from hicache_lab.entrypoints.hooks import SyncImplError, call_bounded, resolve
+from hicache_lab.entrypoints.launch import run
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.exercise import check
 
@@ -30,6 +36,28 @@ RELAYS = textwrap.dedent(
 
     def keep_to_yourself(self, data):
         pass  # every later stage keeps the zeros it polled for itself
+    """
+)
+MISBEHAVING = textwrap.dedent(
+    """
+    import sys
+    import time
+
+
+    def leave(self, *args):
+        sys.exit(0)
+
+
+    def interrupt(self, *args):
+        raise KeyboardInterrupt
+
+
+    def fail(self, *args):
+        raise ValueError("no relay today")
+
+
+    def sleep(self, *args):
+        time.sleep(3600)
     """
 )
 
@@ -68,3 +96,55 @@ def test_exercise_check_fails_a_relay_that_keeps_the_count_and_passes_the_right_
     assert "stage 1 consumed 0 write acks" in str(wrong) and "FAILED" in str(wrong)
     right = check(("pp_sync=student_relays:relay",), tmp_path / "right", pps=(2, 3))
     assert right.ok, str(right)
+
+
+@pytest.fixture
+def misbehaving(tmp_path, monkeypatch):
+    """The working directory holds `misbehaving.py` (MISBEHAVING), importable as a --sync-impl module."""
+    (tmp_path / "misbehaving.py").write_text(MISBEHAVING)
+    (tmp_path / "exits_at_import.py").write_text("import sys\n\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("spec", "said"),
+    [
+        ("writing_check=misbehaving:leave", "called sys.exit(0): it must return"),
+        ("pp_sync=misbehaving:interrupt", "raised KeyboardInterrupt"),
+        ("pp_sync=misbehaving:fail", "raised ValueError: no relay today"),
+    ],
+)
+def test_a_sync_impl_that_raises_or_exits_stops_the_run_naming_it(small_config, misbehaving, spec, said):
+    cfg = small_config(enable_hierarchical_cache=True)
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(spec,)))
+    summary = run(cfg, misbehaving / "out", verbose=False)  # one rank: the launcher's own process
+    assert summary["crashed"] and not summary["completed"]
+    assert f"SyncImplError: --sync-impl {spec} {said}" in summary["error"]
+
+
+def test_a_sync_impl_that_never_returns_fails_after_twice_the_collective_timeout(misbehaving):
+    """A world of one rank has no peer whose collective would time out: the bound is the only way out."""
+    cmd = [sys.executable, "-m", "hicache_lab", "run", "--enable-hierarchical-cache", "--num-rounds", "2"]
+    cmd += ["--collective-timeout", "1", "--sync-impl", "pp_sync=misbehaving:sleep", "--out", "out"]
+    started = time.monotonic()
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=misbehaving)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "--sync-impl pp_sync=misbehaving:sleep did not return within 2 s (2 x --collective-timeout 1)" in (
+        result.stdout
+    )
+    assert time.monotonic() - started < 60
+
+
+def test_an_import_that_exits_is_a_configuration_error(misbehaving):
+    with pytest.raises(ConfigError, match="cannot import 'exits_at_import': its import called sys.exit"):
+        resolve(("pp_sync=exits_at_import:f",))
+
+
+def test_call_bounded_returns_the_value_or_names_what_did_not_return():
+    assert call_bounded("adding", 5, "a test", lambda a, b: a + b, 2, 3) == 5
+    started = time.monotonic()
+    with pytest.raises(SyncImplError, match=r"sleeping did not return within 0.2 s \(a test\)"):
+        call_bounded("sleeping", 0.2, "a test", time.sleep, 30)
+    assert time.monotonic() - started < 5, "the caller does not wait for the stuck call"

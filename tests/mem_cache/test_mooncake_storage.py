@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+
+from hicache_lab.lab.hostile import processes
 
 NETNS_SETUP = (
     "ip link set lo up && ip link add hcv0 type veth peer name hcv1 && "
@@ -67,3 +71,28 @@ def test_cp_rank_in_mooncake_keys_collapses_hits_and_fixed_keys_do_not(tmp_path)
     assert fixed["completed"] and fixed["outputs_match_reference"] and not fixed["diverged"]
     assert storage_tokens(fixed) > 0
     assert suffixed["completed"] and storage_tokens(suffixed) == 0
+
+
+def test_a_master_that_dies_mid_run_leaves_misses_on_every_stage_and_exact_outputs(tmp_path):
+    """The master is killed once round 1 has begun: both stages find the store lost (RPC_FAIL) and miss from then
+    on, agreed across the stages, so round 2 recomputes what storage held; the run completes, outputs exact, in
+    seconds (a put to a dead master takes ~4 s: a lost store is not asked again)."""
+    out = tmp_path / "out"
+    cmd = f"{NETNS_SETUP} && exec {sys.executable} -m hicache_lab run {SMALL} {STORAGE} --pp 2 --out {out}"
+    env = dict(os.environ, GLOG_minloglevel="2")
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", cmd], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env, start_new_session=True)  # fmt: skip
+    trace = out / "trace_rank0.jsonl"
+    while proc.poll() is None and not any(
+        max(json.loads(line)["requests"], default=0) >= 4
+        for line in (trace.read_text().splitlines() if trace.exists() else [])
+    ):
+        time.sleep(0.1)  # until round 1's requests (rids 4-7) run
+    masters = processes(lambda f: int(f[3]) == proc.pid)
+    for pid in [p for p, command in masters.items() if "mooncake_master" in command]:
+        os.kill(pid, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=240)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["completed"] and summary["outputs_match_reference"] is True, summary["error"]
+    assert summary["rounds"][2]["cached_storage"] == 0, "the dead master's store served round 2"
+    assert output.count("does not answer: its store is lost") == 2, "each stage finds it lost"

@@ -1,0 +1,147 @@
+"""How a run's processes end: none outlives its launcher, and a signal ends the run with its files written.
+
+* `die_with_parent`: a rank (or the `mooncake_master` the launcher starts) gets SIGKILL when its parent dies
+  (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the parent did not die first; where prctl
+  is unavailable, a thread polls the parent's pid). So SIGKILL of the launcher leaves nothing behind.
+* `SignalGuard`: SIGINT and SIGTERM raise `Interrupted` in the main thread, which ends the run through its usual
+  path (partial results, a summary that says what interrupted it). A Python handler runs only between bytecodes,
+  never while the main thread is blocked in C++ (a gloo collective waiting for a stuck peer): a watcher thread,
+  woken by the same signal (`signal.set_wakeup_fd`), then runs what the process owes itself (`owe`) and exits.
+* `process_state`: what a process is doing, from /proc (a rank that never reported: stopped, sleeping, gone).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PR_SET_PDEATHSIG = 1
+WAIT_S = 1.0  # how long the watcher gives the main thread to take a signal before it acts in its place
+STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal"}
+STATES |= {"t": "stopped by a debugger", "Z": "a zombie (it has exited)", "X": "dead"}
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM reached the run (a BaseException, so `except Exception` does not take it for a crash)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+def _pdeathsig() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where prctl is unavailable."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_with_parent(parent: int) -> None:
+    """This process ends when process `parent` (its parent, which started it) does, even by SIGKILL."""
+    if not _pdeathsig():
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def master_preexec(parent: int) -> Callable[[], None]:
+    """`preexec_fn` for a child program (mooncake_master): parent-death signal set between fork and exec."""
+
+    def preexec() -> None:
+        if _pdeathsig() and os.getppid() != parent:
+            os._exit(1)
+
+    return preexec
+
+
+def process_state(pid: int) -> str:
+    """What process `pid` is doing now, in words: its /proc/PID/stat state and, asleep, the kernel call it waits in."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        wchan = Path(f"/proc/{pid}/wchan").read_text().strip()
+    except OSError:
+        return "gone"
+    state = stat[stat.rindex(")") + 2]
+    waits = f", waiting in {wchan}" if state in "SD" and wchan not in ("", "0") else ""
+    return f"{STATES.get(state, 'in state ' + state)} (state {state}{waits})"
+
+
+class SignalGuard:
+    """SIGINT and SIGTERM, for as long as it is entered (in the main thread; elsewhere it does nothing).
+
+    The first signal raises `Interrupted` in the main thread unless the run is already `finishing` (writing its
+    files: a signal then must not tear them). If the main thread has not taken a signal within WAIT_S (it is
+    blocked in C++), the watcher thread runs what the process owes, newest first (`owe`), and exits 128 + signal.
+    """
+
+    def __init__(self) -> None:
+        self.owed: list[Callable[[str], None]] = []
+        self.finishing, self._lock = False, threading.Lock()  # the lock: who writes the files, main or watcher
+        self.received = self.taken = 0
+        self.interrupted: Interrupted | None = None
+        self._saved: dict | None = None
+        self._closed = False
+
+    def owe(self, write: Callable[[str], None]) -> None:
+        """`write(signal name)` runs if a signal finds the main thread stuck (it reads state the main thread left)."""
+        self.owed.append(write)
+
+    def finish(self) -> None:
+        """From here the process writes its files: signals are noted, no longer raised (idempotent)."""
+        if not self.finishing:
+            self.finishing = True
+            self._lock.acquire()  # the watcher holds it only to write and exit: then this waits for the exit
+
+    def __enter__(self) -> SignalGuard:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        handlers = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._saved = {"handlers": handlers, "fd": signal.set_wakeup_fd(write), "pipe": (read, write)}
+        self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True)
+        self._watcher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            return
+        signal.set_wakeup_fd(self._saved["fd"])
+        for signum, handler in self._saved["handlers"].items():
+            signal.signal(signum, handler)
+        self._closed = True
+        os.close(self._saved["pipe"][1])  # the watcher reads end-of-file and leaves:
+        self._watcher.join(WAIT_S + 1)  # a daemon thread still there at exit dies in pthread_exit, C++ terminate()
+
+    def _handler(self, signum: int, frame) -> None:
+        self.taken += 1
+        if self.interrupted is None and not self.finishing:
+            self.interrupted = Interrupted(signum)
+            raise self.interrupted
+
+    def _watch(self, read: int) -> None:
+        while data := os.read(read, 1):
+            if data[0] not in (signal.SIGINT, signal.SIGTERM):
+                continue  # another handler's signal
+            self.received += 1
+            time.sleep(WAIT_S)
+            if not self._closed and self.taken < self.received and self._lock.acquire(blocking=False):
+                name = signal.Signals(data[0]).name
+                for write in reversed(self.owed):
+                    with contextlib.suppress(Exception):
+                        write(name)
+                os._exit(128 + data[0])
+        os.close(read)
