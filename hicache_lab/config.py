@@ -67,26 +67,17 @@ def _check_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
     _check(value in choices, f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
 
 
-def _flag(section: object, name: str) -> str:
-    """The flag that sets `section.name` (the table in entrypoints/args.py), or `Class.name` where none does."""
-    from .entrypoints.args import FLAGS, SECTIONS  # the one table from flag to field (it imports this module)
-
-    return next(
-        (flag for flag, s, n, _, _ in FLAGS if n == name and SECTIONS[s] is type(section)),
-        f"{type(section).__name__}.{name}",
-    )
-
-
 def _check_numbers(section: object) -> None:
-    """Every `int` field holds an integer (not a bool) and every `float` field a finite number: what the flags'
-    types ensure on the command line, ensured for a config built in Python too (nan passes every `>=` check)."""
+    """Every `int` field holds an integer (not a bool) and every `float` field a finite number. The flags' types
+    ensure it on the command line (entrypoints/args.py); this refuses a config built in Python, by field name
+    (nan passes every `>=` check below)."""
     for f in fields(section):
-        value = getattr(section, f.name)
+        value, name = getattr(section, f.name), f"{type(section).__name__}.{f.name}"
         number = isinstance(value, numbers.Real) and not isinstance(value, bool)
         if f.type == "int" and not (number and isinstance(value, numbers.Integral)):
-            raise ConfigError(f"{_flag(section, f.name)} must be an integer, got {value!r}")
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
         if f.type == "float" and not (number and math.isfinite(value)):
-            raise ConfigError(f"{_flag(section, f.name)} must be a finite number, got {value!r}")
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
 
 
 def _check_seed(value: int, flag: str) -> None:

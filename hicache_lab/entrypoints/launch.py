@@ -42,10 +42,11 @@ from .report import WorldEnd, print_summary, read_results, summarize
 GRACE_S = 2.0  # after the first rank fails (or a signal), how long the others get to report before they are stopped
 
 
-def _rank(cfg: RunConfig, rank: int, store: Callable[[], dist.Store | None], out_dir: Path, run_id, guard) -> dict:
+def _rank(
+    cfg: RunConfig, rank: int, store: Callable[[], dist.Store | None], out_dir: Path, run_id: str | None, guard
+) -> dict:
     """`run_rank` on the store `store()` makes; a rank that could not join the world (a peer that never came: a
     timeout, a symptom) or was interrupted while joining still leaves a result."""
-    result = None
     try:
         return run_rank(cfg, rank, store(), out_dir, run_id, guard)
     except ConfigError:
@@ -265,7 +266,8 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
             if not result["completed"]:
                 os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
             return None
-        end.interrupted = result.get("interrupted") or _await_peers(cfg, out_dir, result, end)
+        cut_short = _await_peers(cfg, out_dir, result, end)
+        end.interrupted = result.get("interrupted") or cut_short
         guard.finish()
         _name_missing(cfg, out_dir, result, end)
         summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
@@ -275,10 +277,11 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
 
 def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
     """Rank 0 waits for the other results: up to the collective timeout when it completed, GRACE_S when it
-    waited for a peer (the cause may still report), not at all when it failed on its own. Returns the signal
-    that cut the wait short (torchrun stops the world once a rank died), if one did."""
+    waited for a peer (the cause may still report) or was interrupted (so were they), not at all when it failed
+    on its own. Returns the signal that cut the wait short (torchrun stops the world once a rank died), if any."""
     p = cfg.parallel
-    wait = p.collective_timeout_s if result["completed"] else GRACE_S if result.get("waited") else 0
+    wait = p.collective_timeout_s if result["completed"] else GRACE_S
+    wait = 0 if result["crashed"] and not result.get("waited") else wait
     deadline = time.monotonic() + wait
     try:
         while len(read_results(out_dir, end, p.world_size)) < p.world_size and time.monotonic() < deadline:

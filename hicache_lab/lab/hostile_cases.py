@@ -124,8 +124,18 @@ def _damaged(policy: str, *flags: str, slow: bool = False) -> Hostile:
         f"damages a page of stage 1's shard before stage 1 reads it (`--pp 2`, {policy}{', ' if flags else ''}"
         f"{' '.join(flags)})",
         lambda scratch: lab(
-            scratch, *R, "--pp", "2", "--hicache-storage-prefetch-policy", policy, *flags,
-            "--fault", "damage-page:1@3", "--check-outputs", "--out", "out",
+            scratch,
+            *R,
+            "--pp",
+            "2",
+            "--hicache-storage-prefetch-policy",
+            policy,
+            *flags,
+            "--fault",
+            "damage-page:1@3",
+            "--check-outputs",
+            "--out",
+            "out",
         ),  # fmt: skip
         0,
         "outputs_match_reference: True",
@@ -346,7 +356,6 @@ SYNC_IMPL_BOUNDS = [
 ]
 
 
-
 def _special_files(make: Callable[[Path], None]):
     """A case that fills the store with R, puts a special file (`make(path)`) under every page's name, then runs
     R on it again: each must be a miss, never a read that blocks or never ends."""
@@ -360,6 +369,12 @@ def _special_files(make: Callable[[Path], None]):
 
 
 STORAGE_BOUNDS = [
+    _refusal(
+        4, "asks the soak for worlds of 0 ranks (`soak --max-ranks 0`)", ["soak", "--max-ranks", "0"], "1 to 16 ranks"
+    ),
+    _refusal(
+        10, "asks the soak for no runs (`soak --runs 0`)", ["soak", "--runs", "0"], "--runs 0: must be at least 1"
+    ),
     Hostile(
         4,
         "puts a FIFO nobody writes under every page's name in a filled store",
@@ -486,6 +501,18 @@ def _master_killed(scratch: Path) -> Outcome:
     return lab(scratch, "run", *WORLD.split(), *mooncake, "--out", "out", during=during)
 
 
+def _one_rank_interrupted(scratch: Path) -> Outcome:
+    """Ctrl-C of a one-rank run (its rank runs in the launcher's own process) once it has run a second."""
+
+    def during(proc: subprocess.Popen) -> None:
+        _running(scratch, proc, rank=0)
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+
+    long = ("--max-total-tokens", "4096", "--num-clients", "8", "--num-rounds", "40")  # 17 s, unless interrupted
+    return lab(scratch, "run", *WORLD.split(), *long, "--out", "out", during=during)
+
+
 ORPHANS = [
     Hostile(
         5, "SIGKILL of the launcher while rank 1 is stopped (SIGSTOP)", _signalled(stop="running", launcher=9), -9, ""
@@ -510,6 +537,20 @@ ORPHANS = [
         _signalled(stop="running", launcher=signal.SIGKILL, torchrun=True),
         -9,
         "",
+    ),
+    Hostile(
+        5,
+        "Ctrl-C of a one-rank run (in the launcher's own process)",
+        _one_rank_interrupted,
+        130,
+        "interrupted by SIGINT after",
+    ),
+    Hostile(
+        5,
+        "Ctrl-C of torchrun mid-run (it passes SIGINT on to its ranks; it exits 1 for ranks that did not complete)",
+        _signalled(launcher=signal.SIGINT, group=True, torchrun=True),
+        1,
+        "interrupted by SIGINT after",
     ),
     *[Hostile(5, "SIGKILL of the launcher of a run whose mooncake_master it started", _master_killed, -9, "")]
     * bool(importlib.util.find_spec("mooncake")),

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import math
 import os
 import signal
 import subprocess
@@ -39,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
+from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES, check_writable_dir
+from ..entrypoints.args import finite_float
 from ..errors import ConfigError
 from .hostile import judge_all, processes, table
 from .hostile_cases import CASES
@@ -234,7 +234,7 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jobs", type=int, default=1, help="worlds run at once (default 1)")
     parser.add_argument("--modes", nargs="+", default=["fixed", "legacy"], choices=SYNC_MODES)
     parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn, 1-16 (default 8)")
-    parser.add_argument("--limit-s", type=float, default=240, help="wall-clock limit of one run (default 240)")
+    parser.add_argument("--limit-s", type=finite_float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")
     parser.add_argument("--results", default=str(BENCH_RESULTS), help="where the CSV and table go")
     parser.add_argument(
@@ -244,13 +244,18 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def check_soak_args(args: argparse.Namespace) -> None:
+    """Every soak argument in range, before anything runs (a ConfigError naming the flag: exit 2)."""
     for flag, value, low in (("--runs", args.runs, 1), ("--first", args.first, 0), ("--jobs", args.jobs, 1)):
         if value < low:
             raise ConfigError(f"soak {flag} {value}: must be at least {low}")
+    if not 0 <= args.seed < 2**63:
+        raise ConfigError(f"soak --seed {args.seed}: give a seed in 0..2**63-1")
     if not 1 <= args.max_ranks <= 16:
         raise ConfigError(f"soak --max-ranks {args.max_ranks}: worlds have 1 to 16 ranks (tp, cp <= 2, pp <= 4)")
-    if not (math.isfinite(args.limit_s) and args.limit_s > 0):
-        raise ConfigError(f"soak --limit-s {args.limit_s}: give a positive number of seconds")
+    if args.limit_s <= 0:
+        raise ConfigError(f"soak --limit-s {args.limit_s:g}: give a positive number of seconds")
+    check_writable_dir(args.out, "soak --out")
+    check_writable_dir(args.results, "soak --results")
 
 
 def cmd_soak(args: argparse.Namespace) -> int:

@@ -273,9 +273,9 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, 
     outcomes = []
     for name, disabled in (("broken", entry.fixes), ("fixed", ())):
         flags = entry.run_flags(name == "broken")
-        if entry.prepare is not None:
-            shutil.copytree(store, out / name / "store")
-            flags += f" --hicache-storage-dir {out / name / 'store'}"
+        if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
+            shutil.copytree(store, out / f"{name}_store")
+            flags += f" --hicache-storage-dir {out / f'{name}_store'}"
         summary = run(_config(flags, disabled), out / name, verbose=verbose)
         outcomes.append(Outcome(summary, entry.symptom(summary, out / name), out / name))
     return outcomes[0], outcomes[1]

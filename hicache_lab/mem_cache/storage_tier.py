@@ -72,7 +72,8 @@ class PrefetchOp:
     found: int = 0  # leading pages storage holds, agreed by the query thread
     queried: threading.Event = field(default_factory=threading.Event)
     host_slots: torch.Tensor | None = None  # allocated once the hit is known, sized to it
-    hits: int | None = None  # pages to read (0: revoked); None until the scheduler took the query's answer
+    plan: int = 0  # pages the read thread goes through, batch by batch, on every rank: the agreed hit (0: revoked)
+    hits: int | None = None  # pages this rank reads (<= plan, 0: no host room); None until the query is taken
     due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read counts as done
     waiting_since: float | None = None  # real `timeout`: when admission first had to wait for it
     arrived: int = 0  # leading pages read into host slots on this rank
@@ -82,10 +83,8 @@ class PrefetchOp:
     progress: threading.Condition = field(default_factory=threading.Condition)  # guards the fields above
 
     def batches(self) -> list[slice]:
-        """The page ranges of its storage reads."""
-        return [
-            slice(i, min(i + STORAGE_BATCH_PAGES, self.hits)) for i in range(0, self.hits or 0, STORAGE_BATCH_PAGES)
-        ]
+        """The page ranges of its storage reads, the same on every rank."""
+        return [slice(i, min(i + STORAGE_BATCH_PAGES, self.plan)) for i in range(0, self.plan, STORAGE_BATCH_PAGES)]
 
 
 @dataclass
@@ -240,8 +239,9 @@ class StorageTier:
         """The agreed `count` answers, in issue order (waiting for this rank's own where needed): a prefetch
         already ended, or whose hit is below the threshold, is revoked; the others get host slots for their
         hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
-        the threshold) and start reading. Allocating needs no agreement of its own: a rank whose `allocate`
-        fails reads nothing, so the pages agreed at admission (`take_prefetch`'s MIN) are none on every rank."""
+        the threshold) and start reading. Allocating needs no agreement of its own: the read thread goes through
+        the agreed hit's batches on every rank, and one that could not allocate (all or part of it) reads
+        nothing there, so the pages agreed arrived are only those every rank holds."""
         ps = self.cfg.page_size
         for op in self.queries[:count]:
             while not op.queried.wait(0.05):
@@ -253,15 +253,12 @@ class StorageTier:
                 continue
             if self.host_alloc.available_size() < pages * ps:
                 make_room(pages * ps - self.host_alloc.available_size())
-            pages = min(pages, self.host_alloc.available_size() // ps)
+            op.plan, pages = pages, min(pages, self.host_alloc.available_size() // ps)
             slots = allocate(self.host_alloc, pages * ps) if pages * ps >= self.cfg.prefetch_threshold else None
-            if slots is None:
-                self.stats.no_host_room += 1
-                op.hits = 0
-                continue
-            op.host_slots, op.hits = slots, pages
+            op.host_slots, op.hits = slots, pages if slots is not None else 0
+            self.stats.no_host_room += slots is None
             previous = self.step
-            for _ in op.batches():
+            for _ in op.batches() if not self.threaded else ():
                 previous = self._due(previous)
                 op.due.append(previous)
             self.queues["read"].put(op)
@@ -271,11 +268,12 @@ class StorageTier:
         """The read thread: every batch in turn, then the pages arrived so far agreed (`agree_prefetch_completion`).
         A batch after a failure, or after the scheduler ended the prefetch (its host slots may be freed), reads
         nothing but is agreed all the same: every rank enters as many collectives."""
-        pages = list(op.host_slots.split(self.cfg.page_size))
+        pages = list(op.host_slots.split(self.cfg.page_size)) if op.hits else []
         for batch in op.batches():
             with op.progress:
                 if not (op.terminated or op.failed):
-                    read = self._read_pages(op.hashes[batch], pages[batch])
+                    mine = slice(batch.start, min(batch.stop, op.hits))  # what this rank has host slots for
+                    read = self._read_pages(op.hashes[mine], pages[mine]) if mine.stop > mine.start else 0
                     op.arrived += read
                     op.failed = read < batch.stop - batch.start  # a missing or damaged page ends it there
                 arrived = op.arrived

@@ -1,17 +1,22 @@
-"""Faults end cleanly and loudly: a rank lost mid-run stops the world within the timeout with the rank named;
-a storage tier that cannot write or read turns into misses with a warning, outputs still exact; the copy
-checksum catches a torn or misplaced host copy at once, and passes every intact one."""
+"""Faults end cleanly and loudly: a rank lost mid-run stops the world within the timeout with the rank named (the
+cause, not a peer that timed out waiting for it); a storage tier that cannot write or read turns into misses with
+a warning, outputs still exact, while a run file that cannot be written ends the run naming it; the copy checksum
+catches a torn or misplaced host copy at once, and passes every intact one; a rank dies with its launcher, and a
+signal ends a process with its files written even while its main thread is blocked in C++."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.report import WorldEnd, blame
 
 SMALL = (
     "--num-layers 3 --max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 3 --request-length 32 "
@@ -25,6 +30,7 @@ def run_cli(tmp_path: Path, *args: str, prefix: tuple[str, ...] = ()) -> tuple[d
     out = tmp_path / "run"
     command = [*prefix, sys.executable, "-m", "hicache_lab", "run", *SMALL.split(), *args, "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]  # else the files read below are an earlier run's
     summary = json.loads((out / "summary.json").read_text())
     return summary, json.loads((out / "rank0.json").read_text()), done.stderr
 
@@ -73,16 +79,85 @@ def test_a_full_disk_turns_backups_into_misses_with_a_warning(tmp_path):
     not _can(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "true"]),
     reason="needs setpriv and the right to drop capabilities",
 )
-def test_an_unreadable_store_is_a_miss_with_a_warning(tmp_path):
+def test_a_store_the_run_cannot_use_is_refused_at_start(tmp_path):
     store = tmp_path / "store"
     filled, _, _ = run_cli(tmp_path, *STORAGE, "--hicache-storage-dir", str(store))
     assert filled["completed"]
-    store.chmod(0)  # even root cannot read it once it gives up the capabilities that bypass permissions
+    store.chmod(0)  # even root cannot use it once it gives up the capabilities that bypass permissions
     try:
         drop = ("setpriv", "--bounding-set", "-dac_override,-dac_read_search")
-        summary, rank0, stderr = run_cli(tmp_path, *STORAGE, "--hicache-storage-dir", str(store), prefix=drop)
+        command = [*drop, sys.executable, "-m", "hicache_lab", "run", *SMALL.split(), *STORAGE]
+        command += ["--hicache-storage-dir", str(store), "--out", str(tmp_path / "again")]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     finally:
         store.chmod(0o700)
-    assert summary["completed"] and summary["outputs_match_reference"] is True
-    assert rank0["storage"]["lookup_failures"] > 0 and "Permission denied" in stderr
-    assert all(r["cached_storage"] == 0 for r in summary["rounds"])
+    assert done.returncode == 2 and "--hicache-storage-dir" in done.stderr and "not writable" in done.stderr
+    assert not (tmp_path / "again" / "summary.json").exists(), "refused before any rank started"
+
+
+def test_a_rank_that_timed_out_waiting_is_a_symptom_and_the_stuck_peer_is_named():
+    """SIGSTOP on rank 1: rank 0 times out first and is the only one to report, but it only waited; rank 1, which
+    never reported and had to be stopped, is the cause, named with what its process was doing."""
+    waited = {"rank": 0, "crashed": True, "waited": True, "hung_in": "run > _pp_sync", "failed_at": 1.0}
+    waited["error"] = "collective timed out after --collective-timeout 5 s in run > _pp_sync"
+    stuck = "its process was stopped by a signal (state T) when the launcher stopped it"
+    error, failing = blame([waited], [1], WorldEnd("run", failed={0: 1}, stopped={1: stuck}), elapsed_s=6.0)
+    assert failing == 1
+    assert error == f"rank 1 never reported: {stuck}; the others waited for it: rank 0 in run > _pp_sync"
+    raised = dict(waited, rank=1, waited=False, error="PoolExhaustedError: no room", failed_at=2.0)
+    assert blame([waited, raised], [], WorldEnd("run"), elapsed_s=6.0) == (
+        "PoolExhaustedError: no room; meanwhile rank 0 in run > _pp_sync",
+        1,
+    ), "a rank that raised is the cause even when a peer timed out before it"
+
+
+def test_a_signal_that_finds_the_main_thread_blocked_in_cpp_still_ends_the_process_with_its_files():
+    """A Python handler waits while the main thread is blocked in C++ (as in a gloo collective whose peer is
+    stuck); the watcher, woken by the same signal, writes what the process owes and exits 128 + signal."""
+    code = (
+        "import datetime, torch.distributed as dist\n"
+        "from hicache_lab.entrypoints.ending import SignalGuard\n"
+        "with SignalGuard() as guard:\n"
+        "    guard.owe(lambda name: print('wrote what it owes on', name, flush=True))\n"
+        "    print('blocked', flush=True)\n"
+        "    dist.HashStore().wait(['never set'], datetime.timedelta(seconds=60))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "blocked\n"
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "wrote what it owes on SIGTERM" in out
+
+
+def test_a_rank_dies_with_its_launcher_even_by_sigkill():
+    code = (
+        "import os, subprocess, sys\n"
+        "child = 'import os, time; from hicache_lab.entrypoints.ending import die_with_parent; '"
+        " f'die_with_parent({os.getpid()}); print(os.getpid(), flush=True); time.sleep(60)'\n"
+        "subprocess.Popen([sys.executable, '-c', child]).wait()\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    rank = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{rank}").exists() and "Z" not in _state(rank) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{rank}").exists() or "Z" in _state(rank), "the rank outlived its launcher"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"
+
+
+@pytest.mark.skipif(not _can(["prlimit", "--fsize=100000", "true"]), reason="needs prlimit(1)")
+def test_a_full_disk_ends_the_run_with_the_file_named_and_no_traceback(tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk (Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+    command = ["prlimit", "--fsize=8192", sys.executable, "-m", "hicache_lab", "run", *SMALL.split()]
+    done = subprocess.run([*command, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stdout + done.stderr
+    assert f"cannot write {tmp_path}/run/trace_rank0.jsonl: File too large (EFBIG)" in done.stdout

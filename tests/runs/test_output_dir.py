@@ -1,0 +1,51 @@
+"""A run owns its output directory (entrypoints/outdir.py): it refuses a directory of the user's, locks it while it
+runs, deletes only the lab's own files there, and its summary merges only results that carry its run id."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hicache_lab.entrypoints.outdir import MARKER, Claim
+from hicache_lab.entrypoints.report import WorldEnd, read_results
+from hicache_lab.errors import ConfigError
+from hicache_lab.managers.step_trace import read_trace
+
+
+def test_a_directory_of_the_users_is_refused_and_left_as_it_was(tmp_path):
+    (tmp_path / "rank0.json").write_text('{"mine": true}\n')
+    with pytest.raises(ConfigError, match=r"holds files no run of the lab wrote \(rank0.json\)"):
+        Claim(tmp_path)
+    assert (tmp_path / "rank0.json").read_text() == '{"mine": true}\n' and not (tmp_path / MARKER).exists()
+
+
+def test_a_directory_a_run_holds_is_refused_naming_its_pid(tmp_path):
+    with Claim(tmp_path / "out"), pytest.raises(ConfigError, match=r"is in use by another run \(pid \d+\)"):
+        Claim(tmp_path / "out")  # flock: two open files of one process conflict as two processes do
+    Claim(tmp_path / "out").release()  # released: the next run may have it
+
+
+def test_a_run_deletes_only_the_files_the_lab_writes(tmp_path):
+    Claim(tmp_path).release()
+    lab = ["rank0.json", "rank12.json", "trace_rank3.jsonl", "rank1.cache_ops.jsonl", "summary.json", "requests.jsonl"]
+    users = ["rank0_notes.json", "rank.json", "notes.txt", "summary.json.bak"]
+    for name in lab + users:
+        (tmp_path / name).write_text("{}\n")
+    with Claim(tmp_path) as claim:
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([MARKER, *users])
+        assert json.loads((tmp_path / MARKER).read_text())["run_id"] == claim.run_id
+
+
+def test_a_summary_reads_only_this_runs_results(tmp_path):
+    """torchrun on a directory a larger, earlier run left: its rank 2 (and a file cut short) are not merged."""
+    for rank, run_id in ((0, "this"), (1, "this"), (2, "this"), (1, "earlier")):
+        name = f"rank{rank}.json" if run_id == "this" else "rank1_old.json"
+        (tmp_path / name).write_text(json.dumps({"rank": rank, "run_id": run_id}))
+    (tmp_path / "rank3.json").write_text('{"rank": 3, "run_')  # a full disk cut it short
+    assert [r["rank"] for r in read_results(tmp_path, WorldEnd("this"), world_size=2)] == [0, 1]
+
+
+def test_a_trace_cut_short_keeps_its_whole_lines(tmp_path):
+    (tmp_path / "trace_rank0.jsonl").write_text('{"rank": 0, "step": 0}\n{"rank": 0, "st')
+    assert read_trace(tmp_path) == [{"rank": 0, "step": 0}]
