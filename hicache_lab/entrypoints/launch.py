@@ -81,7 +81,7 @@ def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str,
     world = cfg.parallel.world_size
 
     def store() -> dist.Store:
-        return dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timeout)
+        return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
     with SignalGuard() as guard:
         try:
@@ -94,9 +94,10 @@ def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str,
 
 
 def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:
-    """This process becomes rank `rank` of a gloo world of `size` ranks that meet at 127.0.0.1:`port`."""
+    """This process becomes rank `rank` of a gloo world of `size` ranks that meet at the store on
+    127.0.0.1:`port` (`spawn_ranks` serves it)."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
 
 
@@ -110,9 +111,10 @@ def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | 
     port, ...)`, and dies with this one); wait for all, killing any still running after `timeout_s`. Returns
     their exit codes."""
     ctx = multiprocessing.get_context("spawn")
-    (port,) = free_ports(1)
+    server = serve_store(timeout_s)
     procs = [
-        ctx.Process(target=_with_lifeline, args=(os.getpid(), target, rank, size, port, *args)) for rank in range(size)
+        ctx.Process(target=_with_lifeline, args=(os.getpid(), target, rank, size, server.port, *args))
+        for rank in range(size)
     ]
     for proc in procs:
         proc.start()
@@ -131,18 +133,21 @@ def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str) -> WorldEnd:
     what is left after GRACE_S is stopped. The WorldEnd holds the exit codes of the ranks that failed first, on
     their own (not those the launcher stopped), and what each rank the launcher stopped was doing."""
     ctx = multiprocessing.get_context("spawn")
-    (port,) = free_ports(1)
+    server = serve_store(cfg.parallel.collective_timeout_s)
     args = (out_dir, run_id, os.getpid())
-    procs = [ctx.Process(target=_rank_main, args=(cfg, r, port, *args)) for r in range(cfg.parallel.world_size)]
+    procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(cfg.parallel.world_size)]
     end, failed_at = WorldEnd(run_id), None
     try:
         for proc in procs:
             proc.start()
-        while any(proc.is_alive() for proc in procs) and (failed_at is None or time.monotonic() - failed_at < GRACE_S):
+        while True:
+            running = any(proc.is_alive() for proc in procs)  # before the exit codes: none may end unrecorded
             for rank, proc in enumerate(procs):
                 if proc.exitcode not in (None, 0):
                     end.failed.setdefault(rank, proc.exitcode)
             failed_at = failed_at or (time.monotonic() if end.failed else None)
+            if not running or (failed_at is not None and time.monotonic() - failed_at >= GRACE_S):
+                break
             time.sleep(0.05)
     except Interrupted as exc:
         end.interrupted = exc.name
@@ -155,6 +160,13 @@ def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str) -> WorldEnd:
     finally:
         end.stopped = _stop(procs)
     return end
+
+
+def serve_store(timeout_s: float) -> dist.TCPStore:
+    """The store a spawned world meets at, served by this process on a port the OS picks while binding it (a port
+    found free and bound later by a rank can be taken meanwhile by another run's: EADDRINUSE)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
 def _stop(procs: list) -> dict[int, str]:
