@@ -183,9 +183,9 @@ SKIP_LOAD_WAIT = (
 )
 
 
-def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: StageLoop) -> None:
-    """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts, each counting its
-    chances into the rank's result (`cache.summary()["faults"]`)."""
+def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: StageLoop) -> list[Chances]:
+    """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts; each counts its
+    chances, which the rank's result records (`Chances.record`)."""
     faults = []
     if cfg.cache.skip_load_wait:
         faults.append(Chances("--skip-load-wait", rank, *SKIP_LOAD_WAIT))
@@ -202,9 +202,7 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
             _damage_page(cache.storage.backend, chances)
         elif kind in ("tear-copy", "misplace-copy") and isinstance(cache, HiRadixCache):
             _bad_write(cache.controller, kind, chances)
-    if faults:
-        summary = cache.summary
-        cache.summary = lambda: {**summary(), "faults": [f.record() for f in faults]}
+    return faults
 
 
 def _kill_at(chances: Chances, iteration: int) -> None:

@@ -30,7 +30,7 @@ from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
 from .args import FLAGS
 from .ending import Interrupted, SignalGuard
-from .hooks import install, install_faults, resolve
+from .hooks import Chances, install, install_faults, resolve
 from .oracle import check_outputs
 from .outdir import cannot_write, write_file
 from .report import round_rows, scheduling_counts, write_requests
@@ -44,6 +44,7 @@ class Stage:
 
     loop: StageLoop
     cache: BasePrefixCache
+    faults: list[Chances]  # the faults this rank was asked to inject, each counting its chances
 
 
 def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, directory: Path) -> StorageBackend:
@@ -90,15 +91,26 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
-    install_faults(cfg, layout.rank, cache, loop)
-    return Stage(loop, asked)
+    return Stage(loop, asked, install_faults(cfg, layout.rank, cache, loop))
 
 
-def agree_on_config(cfg: RunConfig, out_dir: Path) -> None:
+def meet(cfg: RunConfig, out_dir: Path, run_id: str | None) -> list[dict]:
+    """One gather as the ranks join: every rank's configuration and output directory (flattened, as text), run
+    id and process (host, pid), in rank order."""
+    config = {"out": repr(str(Path(out_dir).resolve()))}
+    for key, value in asdict(cfg).items():
+        config |= {f"{key}.{k}": repr(v) for k, v in value.items()} if isinstance(value, dict) else {key: repr(value)}
+    mine = {"config": config, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return every
+
+
+def agree_on_config(every: list[dict]) -> None:
     """Every rank runs the same configuration. Each process parses its own flags (by hand, or under torchrun):
-    the ranks gather their configurations and output directories and compare them field by field, and any
-    difference is a ConfigError on every rank that names each flag that differs and each rank's value. No field
-    may differ per rank: a rank's place in the world comes from its rank, never from a flag."""
+    any difference in what the ranks gathered (`meet`) is a ConfigError on every rank that names each flag that
+    differs and each rank's value. No field may differ per rank: a rank's place in the world comes from its rank,
+    never from a flag."""
     flags = {f"{section}.{name}": flag for flag, section, name, _, _ in FLAGS} | {
         "cache.enable_hierarchical_cache": "--enable-hierarchical-cache",  # the flags config_from_args maps itself
         "cache.skip_load_wait": "--skip-load-wait",
@@ -114,16 +126,11 @@ def agree_on_config(cfg: RunConfig, out_dir: Path) -> None:
         "record_cache_ops": "--record-cache-ops",
         "out": "--out",
     }
-    mine = {"out": repr(str(Path(out_dir).resolve()))}
-    for key, value in asdict(cfg).items():
-        mine |= {f"{key}.{k}": repr(v) for k, v in value.items()} if isinstance(value, dict) else {key: repr(value)}
-    every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
     differ = []
-    for key in dict.fromkeys(k for config in every for k in config):
+    for key in dict.fromkeys(k for rank in every for k in rank["config"]):
         ranks = {}  # value -> the ranks that have it
-        for rank, config in enumerate(every):
-            ranks.setdefault(config.get(key, "nothing"), []).append(str(rank))
+        for rank, gathered in enumerate(every):
+            ranks.setdefault(gathered["config"].get(key, "nothing"), []).append(str(rank))
         if len(ranks) > 1:
             where = ", ".join(f"{v} on rank{'s' * (len(r) > 1)} {', '.join(r)}" for v, r in ranks.items())
             differ.append(f"{flags.get(key, key)} ({key.rpartition('.')[2]}: {where})")
@@ -147,12 +154,13 @@ def run_rank(
         torch.cuda.set_device(rank % torch.cuda.device_count())
     timeout = datetime.timedelta(seconds=p.collective_timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p.world_size, timeout=timeout)
-    agree_on_config(cfg, out_dir)
+    every = meet(cfg, out_dir, run_id)
+    agree_on_config(every)
     layout = RankLayout(p.tp, p.cp, p.pp, rank)
-    result = new_result(rank, layout, run_id)
+    result = new_result(rank, layout, every[0]["run_id"])  # rank 0's id: under torchrun only it knows the run's
+    result["peers"] = {str(r): e["pid"] for r, e in enumerate(every) if e["host"] == socket.gethostname()}
     stage = None
     try:
-        result["run_id"], result["peers"] = meet(run_id, p.world_size)
         stage = build_stage(cfg, build_groups(layout, p), out_dir)
         guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), stage, closing=False))
         stage.loop.run()
@@ -172,15 +180,6 @@ def new_result(rank: int, layout: RankLayout, run_id: str | None) -> dict:
     """A rank's result before it runs: nothing done yet."""
     where = {"tp_rank": layout.tp_rank, "cp_rank": layout.cp_rank, "pp_rank": layout.pp_rank}
     return {"rank": rank, "run_id": run_id, **where, "completed": False, "crashed": False, "error": None, "rounds": []}
-
-
-def meet(run_id: str | None, world_size: int) -> tuple[str | None, dict[str, int]]:
-    """Rank 0's run id, and every rank's process ({rank: pid}, on this host), gathered from every rank."""
-    if world_size == 1:
-        return run_id, {"0": os.getpid()}
-    every = [None] * world_size
-    dist.all_gather_object(every, (run_id, socket.gethostname(), os.getpid()))
-    return every[0][0], {str(r): pid for r, (_, host, pid) in enumerate(every) if host == socket.gethostname()}
 
 
 def record_crash(result: dict, exc: Exception, timeout_s: float, out_dir: Path) -> None:
@@ -220,6 +219,8 @@ def _write(cfg: RunConfig, out_dir: Path, result: dict, stage: Stage | None, clo
         loop, cache = stage.loop, stage.cache
         loop.trace.close()
         result.update(cache.summary())
+        if stage.faults:
+            result["faults"] = [f.record() for f in stage.faults]
         if closing:
             cache.close()
         answered = [r for r in loop.reqs if r.finished]

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from hicache_lab.entrypoints.launch import join_world, spawn_ranks
-from hicache_lab.entrypoints.rank import agree_on_config
+from hicache_lab.entrypoints.rank import agree_on_config, meet
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
 
@@ -18,7 +18,7 @@ from hicache_lab.lab.presets import WORKLOAD, config
 def _join_and_agree(rank: int, size: int, port: int, flags: tuple[str, ...], out: Path) -> None:
     join_world(rank, size, port, 30)
     try:
-        agree_on_config(config(WORKLOAD, flags[rank]), out / "run")
+        agree_on_config(meet(config(WORKLOAD, flags[rank]), out / "run", None))
         said = "agreed"
     except ConfigError as exc:
         said = str(exc)
