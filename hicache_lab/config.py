@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import tempfile
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from .errors import ConfigError
 from .mooncake_trace import trace_lengths
@@ -54,8 +51,6 @@ DEVICES = ("cpu", "cuda")
 MAX_COLLECTIVE_TIMEOUT_S = 86_400  # a bound, not a wish: no rank waits longer than this for a peer
 MAX_ASYNC_BATCH_DEPTH = 64  # micro-batch slots beyond --pp; each one costs every stage a loop turn per step
 DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
-RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
-PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
 
 
 def _check(ok: bool, message: str) -> None:
@@ -407,54 +402,3 @@ class RunConfig:
             self.model.num_heads % self.parallel.tp == 0,
             f"--num-heads {self.model.num_heads} must be divisible by --tp {self.parallel.tp}",
         )
-
-    def memory_needed(self) -> dict[str, tuple[float, str, bool]]:
-        """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}.
-        Enough to refuse at start a world this machine cannot hold (entrypoints/launch.preflight); not a budget."""
-        m, c, w, p = self.model, self.cache, self.workload, self.parallel
-        ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
-        layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
-        kv = 2 * layers * heads * m.head_dim * 4 + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token, fp32
-        host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
-        host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
-        d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
-        weights = ranks * 4 * (2 * v * d + layers * layer / p.tp + layer)  # embeddings, lm_head, a stage's shard
-        weights += stage * 4 * (2 * v * d + m.num_layers * layer) if self.check_outputs else 0  # the oracle's model
-        lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
-        requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
-        longest, chunk = max(lengths), min(w.chunk_size or max(lengths), max(lengths))
-        token_bytes = 8 if v <= 256 else 36  # a list entry, and past the small-int cache an int object
-        logits, tokens = stage * requests * w.output_length * v * 4, stage * 2 * requests * longest * token_bytes
-        host_flag = "--hicache-size" if c.hicache_size_gb > 0 else "--hicache-ratio (x --max-total-tokens)"
-        requests_flag = "the trace's requests" if w.trace_file else "--num-clients x --num-rounds"
-        return {
-            "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens", True),
-            "host KV pools": (ranks * host, host_flag, False),
-            "model weights": (weights, "--vocab-size, --hidden-size, --mlp-size, --num-layers", True),
-            "logits of every output": (logits, f"--vocab-size, --output-length, {requests_flag}", False),
-            "attention of one prefill": (ranks * 3 * heads * chunk * longest * 4, "--chunked-prefill-size", True),
-            "the workload's tokens": (tokens, f"{requests_flag}, their lengths", False),
-            "rank processes": ((ranks + (ranks > 1)) * RANK_PROCESS_BYTES, "--tp x --cp x --pp", False),
-        }
-
-
-def check_writable_dir(path: str | Path, flag: str) -> None:
-    """`path` is a directory this process can create files in, or the nearest directory above it is (it will
-    be created there). A ConfigError naming `flag` otherwise: a file, a read-only disk, another user's
-    directory. A relative path starts at the working directory, which the message then names."""
-    path = Path(path)
-    whole = path.absolute()
-    nearest = next(p for p in (whole, *whole.parents) if p.exists())
-    where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
-    elsewhere = "" if path.is_absolute() else ", or run from a writable working directory"
-    _check(nearest == whole or nearest.is_dir(), f"{flag} {path}: {nearest} is a file, not a directory{where}")
-    _check(nearest.is_dir(), f"{flag} {path} is a file: give a directory")
-    try:
-        if not os.access(nearest, os.W_OK | os.X_OK):
-            raise PermissionError("this user may not")
-        tempfile.TemporaryFile(dir=nearest).close()  # root passes os.access on a read-only or virtual file system
-    except OSError as e:
-        raise ConfigError(
-            f"{flag} {path} is not writable{where}: cannot create a file in {nearest} ({e.strerror or e}); "
-            f"give {flag} a directory you can write{elsewhere}"
-        ) from e

@@ -26,16 +26,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from ..config import RunConfig, check_writable_dir
-from ..distributed.parallel_state import RankLayout, stage_layers
+from ..config import RunConfig
+from ..distributed.parallel_state import RankLayout
 from ..errors import ConfigError
-from ..mem_cache.memory_pool import kv_bytes_per_token
 from .ending import Interrupted, SignalGuard, die_with_parent, master_preexec, process_state
 from .hooks import resolve
 from .outdir import Claim, OutputError
+from .preflight import preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
 from .report import WorldEnd, print_summary, read_results, summarize
 
@@ -180,41 +179,6 @@ def _stop(procs: list) -> dict[int, str]:
         if proc.pid is not None:
             proc.join()
     return stopped
-
-
-def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
-    """What the config alone cannot check, checked before any rank starts (ConfigError names the flag)."""
-    m, c, p = cfg.model, cfg.cache, cfg.parallel
-    if p.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
-    for path, flag in (
-        (out_dir, "--out"),
-        (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),
-    ):
-        if path:
-            check_writable_dir(path, flag)
-    local = os.environ.get("LOCAL_WORLD_SIZE", "") if "TORCHELASTIC_RUN_ID" in os.environ else ""
-    here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
-    machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-    if p.device == "cuda":  # pools, weights and activations there; the rest in memory
-        gpus = range(torch.cuda.device_count())
-        machine["GPU memory"] = sum(torch.cuda.get_device_properties(i).total_memory for i in gpus)
-    for kind, have in machine.items():
-        needed = sorted(
-            (n * here, what, flags)
-            for what, (n, flags, on_device) in cfg.memory_needed().items()
-            if kind == ("GPU memory" if on_device and p.device == "cuda" else "memory")
-        )
-        if (total := sum(n for n, _, _ in needed)) > have:
-            n, what, flags = needed[-1]
-            raise ConfigError(
-                f"this world would allocate about {total / 1e9:.3g} GB, more than this machine's {have / 1e9:.3g} GB "
-                f"of {kind}; the most, {n / 1e9:.3g} GB, for {what}: lower {flags}"
-            )
-    if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
-        for stage in range(p.pp):
-            layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
-            c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim))
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ..config import SYNC_MODES, CacheConfig, ParallelConfig, check_writable_dir
+from ..config import SYNC_MODES, CacheConfig, ParallelConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import RankLayout, build_groups
 from ..entrypoints.launch import join_world, spawn_ranks
+from ..entrypoints.preflight import check_writable_dir
 from ..errors import ConfigError
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.copy_engine import VirtualCopyEngine

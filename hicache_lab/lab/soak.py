@@ -38,8 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES, check_writable_dir
+from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
 from ..entrypoints.args import finite_float
+from ..entrypoints.preflight import check_writable_dir
 from ..errors import ConfigError
 from .hostile import judge_all, processes, table
 from .hostile_cases import CASES

@@ -13,8 +13,10 @@ import time
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig, check_writable_dir
+from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from hicache_lab.entrypoints import preflight
 from hicache_lab.entrypoints.args import FLAGS, SECTIONS
+from hicache_lab.entrypoints.preflight import check_writable_dir, memory_needed
 from hicache_lab.errors import ConfigError
 
 
@@ -183,15 +185,13 @@ def test_a_world_larger_than_this_machine_is_refused_naming_the_flag(args, messa
 
 
 def test_the_memory_check_is_against_this_machine(monkeypatch, tmp_path):
-    from hicache_lab.entrypoints import launch
-
     cfg = RunConfig()
-    assert sum(n for n, _, _ in cfg.memory_needed().values()) < 1e9  # the default world fits any machine
-    launch.preflight(cfg, tmp_path / "out")
+    assert sum(n for n, _, _ in memory_needed(cfg).values()) < 1e9  # the default world fits any machine
+    preflight.preflight(cfg, tmp_path / "out")
     pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 25_000}  # a machine of 100 MB
-    monkeypatch.setattr(launch.os, "sysconf", lambda name: pages[name])
+    monkeypatch.setattr(preflight.os, "sysconf", lambda name: pages[name])
     with pytest.raises(ConfigError, match="more than this machine's 0.102 GB of memory; the most, 0.3 GB, for rank"):
-        launch.preflight(cfg, tmp_path / "out")
+        preflight.preflight(cfg, tmp_path / "out")
 
 
 def test_an_output_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):

@@ -1,0 +1,106 @@
+"""What the configuration alone cannot check, checked before any rank starts: the directories the run writes,
+and whether the machine can hold the world it asks for. Each check raises a ConfigError that names the flag."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..distributed.parallel_state import stage_layers
+from ..errors import ConfigError
+from ..mem_cache.memory_pool import kv_bytes_per_token
+
+RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
+PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
+
+
+def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
+    """What the config alone cannot check, checked before any rank starts (ConfigError names the flag)."""
+    m, c, p = cfg.model, cfg.cache, cfg.parallel
+    if p.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
+    for path, flag in (
+        (out_dir, "--out"),
+        (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),
+    ):
+        if path:
+            check_writable_dir(path, flag)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "") if "TORCHELASTIC_RUN_ID" in os.environ else ""
+    here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
+    machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
+    if p.device == "cuda":  # pools, weights and activations there; the rest in memory
+        gpus = range(torch.cuda.device_count())
+        machine["GPU memory"] = sum(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    for kind, have in machine.items():
+        needed = sorted(
+            (n * here, what, flags)
+            for what, (n, flags, on_device) in memory_needed(cfg).items()
+            if kind == ("GPU memory" if on_device and p.device == "cuda" else "memory")
+        )
+        if (total := sum(n for n, _, _ in needed)) > have:
+            n, what, flags = needed[-1]
+            raise ConfigError(
+                f"this world would allocate about {total / 1e9:.3g} GB, more than this machine's {have / 1e9:.3g} GB "
+                f"of {kind}; the most, {n / 1e9:.3g} GB, for {what}: lower {flags}"
+            )
+    if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
+        for stage in range(p.pp):
+            layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
+            c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim))
+
+
+def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
+    """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}.
+    Enough to refuse at start a world this machine cannot hold (entrypoints/launch.preflight); not a budget."""
+    m, c, w, p = cfg.model, cfg.cache, cfg.workload, cfg.parallel
+    ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
+    layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
+    kv = 2 * layers * heads * m.head_dim * 4 + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token, fp32
+    host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
+    host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
+    d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
+    weights = ranks * 4 * (2 * v * d + layers * layer / p.tp + layer)  # embeddings, lm_head, a stage's shard
+    weights += stage * 4 * (2 * v * d + m.num_layers * layer) if cfg.check_outputs else 0  # the oracle's model
+    lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
+    requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
+    longest, chunk = max(lengths), min(w.chunk_size or max(lengths), max(lengths))
+    token_bytes = 8 if v <= 256 else 36  # a list entry, and past the small-int cache an int object
+    logits, tokens = stage * requests * w.output_length * v * 4, stage * 2 * requests * longest * token_bytes
+    host_flag = "--hicache-size" if c.hicache_size_gb > 0 else "--hicache-ratio (x --max-total-tokens)"
+    requests_flag = "the trace's requests" if w.trace_file else "--num-clients x --num-rounds"
+    return {
+        "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens", True),
+        "host KV pools": (ranks * host, host_flag, False),
+        "model weights": (weights, "--vocab-size, --hidden-size, --mlp-size, --num-layers", True),
+        "logits of every output": (logits, f"--vocab-size, --output-length, {requests_flag}", False),
+        "attention of one prefill": (ranks * 3 * heads * chunk * longest * 4, "--chunked-prefill-size", True),
+        "the workload's tokens": (tokens, f"{requests_flag}, their lengths", False),
+        "rank processes": ((ranks + (ranks > 1)) * RANK_PROCESS_BYTES, "--tp x --cp x --pp", False),
+    }
+
+
+def check_writable_dir(path: str | Path, flag: str) -> None:
+    """`path` is a directory this process can create files in, or the nearest directory above it is (it will
+    be created there). A ConfigError naming `flag` otherwise: a file, a read-only disk, another user's
+    directory. A relative path starts at the working directory, which the message then names."""
+    path = Path(path)
+    whole = path.absolute()
+    nearest = next(p for p in (whole, *whole.parents) if p.exists())
+    where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    elsewhere = "" if path.is_absolute() else ", or run from a writable working directory"
+    if not nearest.is_dir():
+        detail = "is a file: give a directory" if nearest == whole else f": {nearest} is a file, not a directory{where}"
+        raise ConfigError(f"{flag} {path} {detail}" if nearest == whole else f"{flag} {path}{detail}")
+    try:
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise PermissionError("this user may not")
+        tempfile.TemporaryFile(dir=nearest).close()  # root passes os.access on a read-only or virtual file system
+    except OSError as e:
+        raise ConfigError(
+            f"{flag} {path} is not writable{where}: cannot create a file in {nearest} ({e.strerror or e}); "
+            f"give {flag} a directory you can write{elsewhere}"
+        ) from e
