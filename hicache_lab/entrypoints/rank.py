@@ -35,7 +35,8 @@ from .oracle import check_outputs
 from .outdir import cannot_write, write_file
 from .report import round_rows, scheduling_counts, write_requests
 
-PEER_LOST = ("Timed out", "Connection reset by peer", "Connection closed by peer", "Broken pipe")  # a peer's fault
+# what a rank sees when a peer fails it: a collective or the store waiting for one that never came, a connection lost
+PEER_LOST = ("Timed out", "wait timeout", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
 
 
 @dataclass
