@@ -7,12 +7,11 @@ the longest cached prefix, insert(key, slots) and evict(num_tokens) -> tokens fr
 
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 
 import torch
 
-from hicache_lab.mem_cache.radix_tree import Key, RadixTree
+from hicache_lab.mem_cache.radix_tree import Key, RadixTree, TreeNode, evict_lru
 
 EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -28,7 +27,7 @@ class LabTree:
     `RadixCache.evict` runs the loop below and also frees each evicted leaf's slots into its `PageAllocator`, a
     Python loop over pages (over every token at page size 1) that neither the naive dict nor SGLang's counting
     sink pays, and that allocator would have to own the key stream's slots. So `evict` is `RadixCache.evict`
-    without the free: LRU device leaves leave the tree, a parent left without children becomes a candidate.
+    without the free: the same `evict_lru` over the tree's evictable leaves, each leaving the tree.
     """
 
     name = "lab"
@@ -45,19 +44,13 @@ class LabTree:
         self.size += len(key) - self.tree.insert(key, value).prefix_len
 
     def evict(self, num_tokens: int) -> int:
-        tree = self.tree
-        leaves = tree.device_leaves()
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            node = heapq.heappop(leaves)
-            parent = node.parent
-            freed += len(node.value)
-            tree.delete_leaf(node)
-            if parent is not tree.root and parent.lock_ref == 0 and all(c.evicted for c in parent.children.values()):
-                heapq.heappush(leaves, parent)
+        freed = evict_lru(self.tree.evictable_leaves, num_tokens, self._drop)
         self.size -= freed
         return freed
+
+    def _drop(self, node: TreeNode) -> int:
+        self.tree.delete_leaf(node)
+        return len(node.value)
 
 
 class NaivePrefixDict:

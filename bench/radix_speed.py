@@ -31,6 +31,7 @@ differ; sglang is skipped if it differs).
 
     python -m bench.radix_speed                       # page sizes 1 and 64, defaults above
     python -m bench.radix_speed --page-size 16 --capacity-tokens 2048 --repeats 9
+    python -m bench.radix_speed --profile             # also radix_profile.txt: where the lab's tree spends time
 
 Writes bench/results/radix_speed.csv (one row per operation and page size) and bench/results/radix_speed.json
 (the same rows, the run's settings, per-implementation details and the machine, with the installed sglang's
@@ -53,6 +54,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS, machine_info, usable_cpus, write_csv
+from bench.radix_profile import profile_lab
 from bench.radix_replay import OPERATIONS, KeyStream, bench_page_size
 from bench.radix_sglang import probe_sglang
 from hicache_lab.config import ModelConfig, WorkloadConfig
@@ -107,6 +109,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--capacity-tokens", type=int, default=4096, help="evict down to this many cached tokens")
     parser.add_argument("--repeats", type=int, default=5, help="timed replays per implementation (median)")
     parser.add_argument("--no-sglang", action="store_true", help="do not try SGLang's RadixCache")
+    parser.add_argument(
+        "--profile", action="store_true", help="also profile the lab's tree (cProfile) into radix_profile.txt"
+    )
     parser.add_argument("--out-dir", default=str(RESULTS), help="where radix_speed.csv and radix_speed.json go")
     args = parser.parse_args()
     if args.repeats < 1 or args.capacity_tokens < 0 or min(args.page_size) < 1:
@@ -143,9 +148,9 @@ def result_row(op: str, page_size: int, medians: dict, info: dict, status: str) 
     }
 
 
-def measure(args: argparse.Namespace, sequences: list) -> tuple[list[dict], dict[int, dict]]:
-    """The CSV rows and {page size: details} of every page size asked for."""
-    rows, details = [], {}
+def measure(args: argparse.Namespace, sequences: list) -> tuple[list[dict], dict[int, dict], list[str]]:
+    """The CSV rows, {page size: details} and (with `--profile`) the profile of every page size asked for."""
+    rows, details, profiles = [], {}, []
     for ps in args.page_size:
         sglang, status = (None, "skipped: --no-sglang") if args.no_sglang else probe_sglang(ps)
         stream = build_key_stream(sequences, ps)
@@ -153,7 +158,9 @@ def measure(args: argparse.Namespace, sequences: list) -> tuple[list[dict], dict
         print(f"page size {ps}: sglang {status}" if status.startswith("skipped") else f"page size {ps}: {status}")
         details[ps] = {"verified_matches_before_eviction": verified, "sglang_status": status, **info}
         rows += [result_row(op, ps, medians, info, status) for op in OPERATIONS]
-    return rows, details
+        if args.profile:
+            profiles.append(profile_lab(stream, args.capacity_tokens, args.repeats))
+    return rows, details, profiles
 
 
 def fmt_rate(value) -> str:
@@ -241,7 +248,7 @@ def main() -> None:
     cfg = workload_config(args)
     start = time.perf_counter()
     sequences = conversation_sequences(cfg, args.vocab_size, args.seed)
-    rows, details = measure(args, sequences)
+    rows, details, profiles = measure(args, sequences)
     print()
     print_table(rows)
     print()
@@ -249,6 +256,9 @@ def main() -> None:
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "radix_speed.csv", rows)
+    if profiles:
+        (out_dir / "radix_profile.txt").write_text(f"# {git_commit()[:12]}\n\n" + "\n".join(profiles))
+        print(f"wrote {out_dir / 'radix_profile.txt'}")
     elapsed = time.perf_counter() - start
     result = {**report(args, cfg, rows, details, len(sequences)), "elapsed_s": round(elapsed, 2)}
     (out_dir / "radix_speed.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -21,7 +21,7 @@ from .base import BaseHiCache
 from .cache_controller import HiCacheController
 from .memory_pool import PageAllocator
 from .radix_cache import RadixCache
-from .radix_tree import InsertResult, TreeNode
+from .radix_tree import InsertResult, TreeNode, evict_lru
 from .storage_tier import StorageTier
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
@@ -269,7 +269,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         freed = len(node.value)
         self.device_alloc.free(node.value)
         if node.backuped:
-            node.value = None
+            self.tree.set_device(node, None)
         else:
             self._delete_subtree(node)
         return freed
@@ -285,12 +285,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
     def evict_host(self, num_tokens: int) -> int:
         """Free host slots: under write_back, host copies of nodes also on the device first (SGLang 0.5.23's
         `_reclaim_full_host_duplicates`), then host-only leaves, least recently used first."""
-
-        def became_leaf(parent: TreeNode) -> bool:
-            return parent.evicted and not parent.children and parent.host_ref == 0
-
         freed = self._reclaim_host_duplicates(num_tokens) if self.cfg.write_policy == "write_back" else 0
-        return freed + self._evict_lru(self.tree.host_leaves(), num_tokens - freed, self._evict_host_leaf, became_leaf)
+        return freed + evict_lru(self.tree.evictable_host_leaves, num_tokens - freed, self._evict_host_leaf)
 
     def _reclaim_host_duplicates(self, num_tokens: int) -> int:
         """Drop host copies of nodes also on the device, in the order they became duplicates: a first pass
@@ -298,7 +294,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         a load is filling, or whose own host copy is protected, keeps it."""
         freed, swept = 0, []
         for spare_leaves in (True, False):
-            leaves = set(self.tree.device_leaves()) if spare_leaves else set()
+            leaves = self.tree.evictable_leaves if spare_leaves else set()
             for node in self.tree.host_duplicates.values():
                 if freed >= num_tokens:
                     break
@@ -348,7 +344,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.controller.load(host_indices, device_indices, last_hit.id)
         offset = 0
         for n in nodes_to_load:
-            n.value = device_indices[offset : offset + len(n.host_value)]
+            self.tree.set_device(n, device_indices[offset : offset + len(n.host_value)])
             n.load_pending = last_hit.id
             offset += len(n.host_value)
         self.ongoing_load_back[last_hit.id] = last_hit

@@ -8,16 +8,13 @@ the points `BasePrefixCache` leaves empty (mem_cache/base.py).
 
 from __future__ import annotations
 
-import heapq
-from collections.abc import Callable
-
 import torch
 
 from ..config import CacheConfig
 from ..errors import PoolExhaustedError
 from .base import BasePrefixCache
 from .memory_pool import PageAllocator
-from .radix_tree import InsertResult, MatchResult, RadixTree, TreeNode
+from .radix_tree import InsertResult, MatchResult, RadixTree, TreeNode, evict_lru
 
 
 class RadixCache(BasePrefixCache):
@@ -83,34 +80,13 @@ class RadixCache(BasePrefixCache):
     # -- eviction and allocation ---------------------------------------------------------------------
 
     def evict(self, num_tokens: int) -> int:
-        def became_leaf(parent: TreeNode) -> bool:
-            return parent.lock_ref == 0 and all(c.evicted for c in parent.children.values())
-
-        return self._evict_lru(self.tree.device_leaves(), num_tokens, self._evict_leaf, became_leaf)
+        return evict_lru(self.tree.evictable_leaves, num_tokens, self._evict_leaf)
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a device leaf's slots; here it leaves the tree. Returns the slots freed."""
         freed = len(node.value)
         self.device_alloc.free(node.value)
         self.tree.delete_leaf(node)
-        return freed
-
-    def _evict_lru(
-        self,
-        leaves: list[TreeNode],
-        num_tokens: int,
-        evict_leaf: Callable[[TreeNode], int],
-        became_leaf: Callable[[TreeNode], bool],
-    ) -> int:
-        """Evict least recently used leaves until `num_tokens` are freed; a parent whose last child went joins."""
-        heapq.heapify(leaves)
-        freed = 0
-        while freed < num_tokens and leaves:
-            node = heapq.heappop(leaves)
-            parent = node.parent
-            freed += evict_leaf(node)
-            if parent is not self.tree.root and became_leaf(parent):
-                heapq.heappush(leaves, parent)
         return freed
 
     def evict_to_free(self, num_tokens: int) -> bool:

@@ -7,7 +7,13 @@ and can be loaded back). Keys are page-aligned. The tree knows nothing of pools 
 * every non-root node has a device copy or a host copy (evicted => backed up);
 * the device tier is prefix-closed: an evicted node has only evicted children;
 * `lock_ref > 0` => not evictable; locks propagate to the root, so a parent's lock_ref >= its child's;
-* `hashes[i]` = sha256(previous page's hash + page i's tokens), chained from the root.
+* `hashes[i]` = sha256(previous page's hash + page i's tokens), chained from the root, computed when first
+  asked for (`node_hashes`; only the storage tier asks), as SGLang leaves `hash_value` unset until needed.
+
+The tree keeps what eviction asks for as it changes, as SGLang's `RadixCache` does, rather than by walking the
+tree: the evictable device leaves, the evictable host leaves and the evictable token count. Every change of a
+node's device copy, children, lock or host protection goes through this class so that they stay right
+(`check_integrity` recomputes them).
 
 LRU uses a logical clock (one tick per access), never wall time, so ranks that take the same decisions
 hold the same tree.
@@ -16,7 +22,8 @@ hold the same tree.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import heapq
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,14 +42,14 @@ def page_hashes(tokens: Key, page_size: int, prev: str = "") -> list[str]:
     return hashes
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TreeNode:
     id: int
     parent: TreeNode | None
     key: Key
     value: torch.Tensor | None  # device slots; None once evicted
     host_value: torch.Tensor | None = None  # host slots; None until backed up
-    hashes: list[str] = field(default_factory=list)
+    hashes: list[str] | None = None  # page hashes; None until first asked for (node_hashes)
     children: dict[Key, TreeNode] = field(default_factory=dict)
     lock_ref: int = 0
     host_ref: int = 0  # host protection: > 0 => not host-evictable
@@ -63,7 +70,38 @@ class TreeNode:
         return (self.last_access, self.id) < (other.last_access, other.id)
 
 
-@dataclass
+def node_hashes(node: TreeNode, page_size: int) -> list[str]:
+    """`node`'s page hashes, computed (with those of its ancestors that lack theirs) on first use."""
+    chain = []
+    while node.hashes is None:
+        chain.append(node)
+        node = node.parent
+    prev = node.hashes[-1] if node.hashes else ""  # the root's list is empty: a chain starts from ""
+    for n in reversed(chain):
+        n.hashes = page_hashes(n.key, page_size, prev)
+        prev = n.hashes[-1]
+    return (chain[0] if chain else node).hashes
+
+
+def evict_lru(leaves: set[TreeNode], num_tokens: int, evict_leaf: Callable[[TreeNode], int]) -> int:
+    """Evict least recently used nodes of `leaves` (one of the leaf sets a `RadixTree` keeps) with `evict_leaf`
+    (which returns the tokens it freed) until `num_tokens` are freed; a parent the eviction made a leaf joins.
+    An entry that left the set meanwhile is skipped."""
+    heap = list(leaves)
+    heapq.heapify(heap)
+    freed = 0
+    while freed < num_tokens and heap:
+        node = heapq.heappop(heap)
+        if node not in leaves:
+            continue
+        parent = node.parent
+        freed += evict_leaf(node)
+        if parent in leaves:
+            heapq.heappush(heap, parent)
+    return freed
+
+
+@dataclass(slots=True)
 class MatchResult:
     device_indices: torch.Tensor  # device slots of the matched prefix held on the device
     last_device_node: TreeNode  # deepest matched node with a device copy
@@ -71,7 +109,7 @@ class MatchResult:
     host_hit_length: int  # matched tokens beyond the device prefix, held on the host only
 
 
-@dataclass
+@dataclass(slots=True)
 class InsertResult:
     prefix_len: int  # leading tokens the tree already held on the device (the caller frees its copies)
     touched: list[TreeNode]  # nodes on the key's path that hold the caller's data, deepest last
@@ -90,34 +128,52 @@ class RadixTree:
         empty = torch.empty(0, dtype=torch.int64)
         self.root = self._new_node(None, (), empty)
         self.root.host_value = empty
+        self.root.hashes = []
         self.root.lock_ref = 1
         # Nodes on both tiers, in the order they became so (SGLang's `full_host_duplicates`): what write_back
         # reclaims first under host pressure. An entry whose node lost a tier stays until it is swept (as
         # SGLang's: a node that regains the tier keeps its place).
         self.host_duplicates: dict[int, TreeNode] = {}
+        self.evictable_leaves: set[TreeNode] = set()  # unlocked, on the device, no child on the device
+        self.evictable_host_leaves: set[TreeNode] = set()  # host-only, unprotected, no children
+        self._evictable_tokens = 0  # device tokens of unlocked nodes
 
     # -- structure ---------------------------------------------------------------------------------
 
     def _new_node(self, parent: TreeNode | None, key: Key, value: torch.Tensor | None) -> TreeNode:
-        prev = parent.hashes[-1] if parent is not None and parent.hashes else ""
-        node = TreeNode(self._next_id, parent, key, value, hashes=page_hashes(key, self.page_size, prev))
+        node = TreeNode(self._next_id, parent, key, value)
         self._next_id += 1
-        self._touch(node)
-        return node
-
-    def _touch(self, node: TreeNode) -> None:
         self.clock += 1
         node.last_access = self.clock
+        return node
 
-    def _match_len(self, a: Key, b: Key) -> int:
-        n, ps = 0, self.page_size
-        limit = min(len(a), len(b)) // ps * ps
-        while n < limit and a[n : n + ps] == b[n : n + ps]:
-            n += ps
-        return n
+    def _add_leaf(self, parent: TreeNode, key: Key, value: torch.Tensor | None) -> TreeNode:
+        leaf = self._new_node(parent, key, value)
+        parent.children[key[: self.page_size]] = leaf
+        if value is not None:
+            self._evictable_tokens += len(key)
+        self._update_leaf(leaf)
+        self._update_leaf(parent)
+        return leaf
+
+    def _match_len(self, a: Key, key: Key, offset: int) -> int:
+        """Tokens of `a` that `key[offset:]` starts with, in whole pages: one comparison where all match (the
+        usual case), else a binary search for the first difference."""
+        m = min(len(a), len(key) - offset)
+        if a[:m] == key[offset : offset + m]:
+            return m  # both lengths are whole pages
+        lo, hi = 0, m  # a[:lo] matches; the first difference is in [lo, hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if a[lo:mid] == key[offset + lo : offset + mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo - lo % self.page_size
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
-        """Cut `child` after `n` tokens; the new upper node inherits its locks, protection and hits."""
+        """Cut `child` after `n` tokens; the new upper node inherits its locks, protection and hits. Neither half
+        is a leaf candidate that `child` was not, and the evictable token count is unchanged."""
         ps = self.page_size
         upper = TreeNode(
             self._next_id,
@@ -125,7 +181,7 @@ class RadixTree:
             child.key[:n],
             None if child.value is None else child.value[:n],
             None if child.host_value is None else child.host_value[:n],
-            hashes=child.hashes[: n // ps],
+            hashes=None if child.hashes is None else child.hashes[: n // ps],
             lock_ref=child.lock_ref,
             host_ref=child.host_ref,
             hit_count=child.hit_count,
@@ -138,7 +194,8 @@ class RadixTree:
         child.parent.children[child.key[:ps]] = upper
         child.parent = upper
         child.key = child.key[n:]
-        child.hashes = child.hashes[n // ps :]
+        if child.hashes is not None:
+            child.hashes = child.hashes[n // ps :]
         if child.value is not None:
             child.value = child.value[n:]
         if child.host_value is not None:
@@ -153,33 +210,39 @@ class RadixTree:
         else:
             self.host_duplicates.pop(node.id, None)
 
-    def _walk(self, key: Key, start: TreeNode | None = None) -> Iterator[tuple[TreeNode, int]]:
-        """Yield (node, tokens of `key` it matched) down `key`'s path from `start` (the root), splitting the
-        node a match ends inside."""
-        node, ps = start or self.root, self.page_size
-        self._touch(node)
-        while key and key[:ps] in node.children:
-            child = node.children[key[:ps]]
-            self._touch(child)
-            n = self._match_len(child.key, key)
+    def _walk(self, key: Key, node: TreeNode) -> tuple[list[TreeNode], int]:
+        """The nodes down `key`'s path from `node` (touched; the node a match ends inside is split) and the
+        tokens of `key` they hold."""
+        ps, children = self.page_size, node.children
+        self.clock += 1
+        node.last_access = self.clock
+        path, done, end = [], 0, len(key)
+        while done < end:
+            child = children.get(key[done : done + ps])
+            if child is None:
+                break
+            self.clock += 1
+            child.last_access = self.clock
+            n = self._match_len(child.key, key, done)
             if n < len(child.key):
                 child = self._split(child, n)
-            yield child, n
-            node, key = child, key[n:]
+            path.append(child)
+            done += n
+            children = child.children
+        return path, done
 
     def match_prefix(self, key: Key) -> MatchResult:
         """Longest page-aligned match of `key`."""
-        node, values = self.root, []
-        for node, _ in self._walk(key[: len(key) // self.page_size * self.page_size]):
-            if not node.evicted:
-                values.append(node.value)
+        path, _ = self._walk(key[: len(key) // self.page_size * self.page_size], self.root)
+        node = path[-1] if path else self.root
         last_host_node, host_hit = node, 0
-        while node.evicted:
+        while node.value is None:
             host_hit += len(node.host_value)
             node = node.parent
-        while not last_host_node.backuped:
+        while last_host_node.host_value is None:
             last_host_node = last_host_node.parent
-        indices = torch.cat(values) if values else self.root.value
+        values = [n.value for n in path if n.value is not None]
+        indices = values[0] if len(values) == 1 else torch.cat(values) if values else self.root.value
         return MatchResult(indices, node, last_host_node, host_hit)
 
     def insert(self, key: Key, value: torch.Tensor) -> InsertResult:
@@ -189,62 +252,104 @@ class RadixTree:
         counted in `prefix_len`, so the caller keeps them allocated.
         """
         assert len(key) % self.page_size == 0 and len(key) == len(value), "insert takes whole pages, a slot each"
-        node, done, prefix_len, touched = self.root, 0, 0, []
-        for node, n in self._walk(key):
-            if node.evicted:
-                node.value = value[done : done + n].clone()
+        touched, done = self._walk(key, self.root)
+        prefix_len, start = 0, 0
+        for node in touched:
+            n = len(node.key)
+            if node.value is None:
+                self.set_device(node, value[start : start + n].clone())
                 self.track_duplicate(node)
             else:
                 prefix_len += n
-            touched.append(node)
-            done += n
+            start += n
         if done < len(key):
-            leaf = self._new_node(node, key[done:], value[done:].clone())
-            node.children[key[done : done + self.page_size]] = leaf
-            touched.append(leaf)
+            touched.append(self._add_leaf(touched[-1] if touched else self.root, key[done:], value[done:].clone()))
         return InsertResult(prefix_len, touched, done)
 
     def insert_host(self, anchor: TreeNode, key: Key, host_value: torch.Tensor) -> torch.Tensor:
         """Insert `key`, continuing the path ending at `anchor`, as a host-only node holding `host_value`
         (pages fetched from storage). Tokens the tree already holds are skipped; returns the positions of
         `host_value` now owned by the tree (the caller frees the rest)."""
-        node, done = anchor, 0
-        for node, n in self._walk(key, anchor):  # noqa: B007 - the last node visited gets the new leaf
-            done += n
+        path, done = self._walk(key, anchor)
         if done < len(key):
-            leaf = self._new_node(node, key[done:], None)
+            leaf = self._add_leaf(path[-1] if path else anchor, key[done:], None)
             leaf.host_value = host_value[done:].clone()
-            node.children[key[done : done + self.page_size]] = leaf
         return torch.arange(done, len(key))
+
+    def set_device(self, node: TreeNode, value: torch.Tensor | None) -> None:
+        """Give `node` a device copy (`value`, slots) or take it away (None): a load back, an adoption at
+        insert, an eviction that leaves the node host-only."""
+        if node.lock_ref == 0:
+            self._evictable_tokens += (0 if value is None else len(value)) - (
+                0 if node.value is None else len(node.value)
+            )
+        node.value = value
+        self._update_leaf(node)
+        self._update_leaf(node.parent)
 
     def delete_leaf(self, node: TreeNode) -> None:
         assert not node.children and node is not self.root
         del node.parent.children[node.key[: self.page_size]]
         self.host_duplicates.pop(node.id, None)
+        self.evictable_leaves.discard(node)
+        self.evictable_host_leaves.discard(node)
+        if node.value is not None and node.lock_ref == 0:
+            self._evictable_tokens -= len(node.value)
+        self._update_leaf(node.parent)
+
+    def _update_leaf(self, node: TreeNode) -> None:
+        """Put `node` in or out of the evictable leaf sets, from its own state and its children's."""
+        if node is self.root:
+            return
+        if node.value is None:
+            self.evictable_leaves.discard(node)
+            if node.host_ref == 0 and not node.children:
+                self.evictable_host_leaves.add(node)
+            else:
+                self.evictable_host_leaves.discard(node)
+        else:
+            self.evictable_host_leaves.discard(node)
+            if node.lock_ref == 0 and all(c.value is None for c in node.children.values()):
+                self.evictable_leaves.add(node)
+            else:
+                self.evictable_leaves.discard(node)
 
     # -- locks -------------------------------------------------------------------------------------
 
-    def _count_on_path(self, node: TreeNode, counter: str, delta: int) -> None:
-        """Add `delta` to `counter` of `node` and of every ancestor below the root."""
+    def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
-            value = getattr(node, counter) + delta
-            assert value >= 0, f"unbalanced {counter} on node {node.id}"
-            setattr(node, counter, value)
+            if node.lock_ref == 0:
+                if node.value is not None:
+                    self._evictable_tokens -= len(node.value)
+                self.evictable_leaves.discard(node)
+            node.lock_ref += 1
             node = node.parent
 
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        self._count_on_path(node, "lock_ref", 1)
-
     def dec_lock_ref(self, node: TreeNode) -> None:
-        self._count_on_path(node, "lock_ref", -1)
+        while node is not self.root:
+            assert node.lock_ref > 0, f"unbalanced lock_ref on node {node.id}"
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                if node.value is not None:
+                    self._evictable_tokens += len(node.value)
+                self._update_leaf(node)
+            node = node.parent
 
     def protect_host(self, node: TreeNode) -> None:
         """Keep `node`'s host copy from host eviction (while storage reads or writes it). Like locks, the
         protection propagates to the root, so a split keeps both halves protected and release undoes both."""
-        self._count_on_path(node, "host_ref", 1)
+        while node is not self.root:
+            node.host_ref += 1
+            self.evictable_host_leaves.discard(node)
+            node = node.parent
 
     def release_host(self, node: TreeNode) -> None:
-        self._count_on_path(node, "host_ref", -1)
+        while node is not self.root:
+            assert node.host_ref > 0, f"unbalanced host_ref on node {node.id}"
+            node.host_ref -= 1
+            if node.host_ref == 0:
+                self._update_leaf(node)
+            node = node.parent
 
     # -- queries -----------------------------------------------------------------------------------
 
@@ -255,16 +360,6 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
-    def device_leaves(self) -> list[TreeNode]:
-        """Unlocked nodes holding a device copy whose children hold none: device eviction candidates."""
-        return [
-            n for n in self.nodes() if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())
-        ]
-
-    def host_leaves(self) -> list[TreeNode]:
-        """Unprotected host-only leaves: host eviction candidates."""
-        return [n for n in self.nodes() if n.evicted and not n.children and n.host_ref == 0]
-
     def path_slots(self, node: TreeNode) -> torch.Tensor:
         """The device slots of the path from the root to `node` (every node on it on the device)."""
         chain = []
@@ -274,7 +369,7 @@ class RadixTree:
         return torch.cat(chain[::-1]) if chain else self.root.value
 
     def evictable_size(self) -> int:
-        return sum(len(n.value) for n in self.nodes() if not n.evicted and n.lock_ref == 0)
+        return self._evictable_tokens
 
     def protected_size(self) -> int:
         return sum(len(n.value) for n in self.nodes() if not n.evicted and n.lock_ref > 0)
@@ -304,8 +399,21 @@ class RadixTree:
             assert node.lock_ref >= 0 and node.host_ref >= 0, f"{where}: negative reference count"
             assert parent is self.root or parent.lock_ref >= node.lock_ref, f"{where}: lock not propagated"
             assert parent is self.root or parent.host_ref >= node.host_ref, f"{where}: protection not propagated"
-            prev = parent.hashes[-1] if parent.hashes else ""
-            assert node.hashes == page_hashes(node.key, ps, prev), f"{where}: hash chain broken"
+            if node.hashes is not None:  # computed ones must continue the chain (a parent has its own by then)
+                prev = parent.hashes[-1] if parent.hashes else ""
+                assert parent.hashes is not None, f"{where}: hashed below a parent without hashes"
+                assert node.hashes == page_hashes(node.key, ps, prev), f"{where}: hash chain broken"
+        self._check_bookkeeping()
+
+    def _check_bookkeeping(self) -> None:
+        """The leaf sets and the evictable token count equal what a walk of the tree finds."""
+        nodes = list(self.nodes())
+        leaves = {n for n in nodes if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())}
+        host_leaves = {n for n in nodes if n.evicted and not n.children and n.host_ref == 0}
+        evictable = sum(len(n.value) for n in nodes if not n.evicted and n.lock_ref == 0)
+        assert self.evictable_leaves == leaves, "evictable device leaves out of date"
+        assert self.evictable_host_leaves == host_leaves, "evictable host leaves out of date"
+        assert self._evictable_tokens == evictable, f"evictable tokens {self._evictable_tokens}, walk finds {evictable}"
 
     def digest(self) -> str:
         """A hash of structure, tiers, locks and host protection (not slot indices): equal trees, equal digests."""

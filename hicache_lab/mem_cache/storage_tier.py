@@ -47,7 +47,7 @@ from ..distributed.cache_sync import MAX, CacheSync
 from .base import StorageBackend
 from .memory_pool import PageAllocator
 from .memory_pool_host import HostKVPool
-from .radix_tree import TreeNode, page_hashes
+from .radix_tree import TreeNode, node_hashes, page_hashes
 
 log = logging.getLogger(__name__)
 STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
@@ -159,7 +159,7 @@ class StorageTier:
     def backup(self, node: TreeNode) -> None:
         """Queue `node`'s pages for storage (the cache protects its host copy until the ack is consumed)."""
         pages = list(node.host_value.split(self.cfg.page_size))
-        op = BackupOp(node, list(node.hashes), pages)
+        op = BackupOp(node, list(node_hashes(node, self.cfg.page_size)), pages)
         self.backups.append(op)
         if self.threaded:
             self.queues["backup"].put(op)
@@ -206,7 +206,8 @@ class StorageTier:
         if sum(len(op.tokens) for op in self.prefetches.values()) >= self.prefetch_capacity:
             self.stats.rate_limited += 1
             return False
-        hashes = page_hashes(tokens, self.cfg.page_size, anchor.hashes[-1] if anchor.hashes else "")
+        chain = node_hashes(anchor, self.cfg.page_size)
+        hashes = page_hashes(tokens, self.cfg.page_size, chain[-1] if chain else "")
         op = PrefetchOp(anchor, tokens, hashes, self.step)
         op.query_due = self._due(self.queries[-1].query_due if self.queries else 0)
         self.prefetches[rid] = op

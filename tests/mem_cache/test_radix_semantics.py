@@ -13,7 +13,7 @@ from radix_oracle import DEVICE_TOKENS, NUM_LAYERS, expected_codes, in_tree, kv_
 
 from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.errors import PoolExhaustedError
-from hicache_lab.mem_cache.radix_tree import RadixTree, page_hashes
+from hicache_lab.mem_cache.radix_tree import RadixTree, node_hashes, page_hashes
 
 # -- pinned semantics -------------------------------------------------------------------------------
 
@@ -29,6 +29,7 @@ def test_split_keeps_locks_and_host_protection_on_both_halves(page_size):
     node.host_ref, node.hit_count = 1, 2
     tree.inc_lock_ref(node)
     tree.inc_lock_ref(node)
+    assert node.hashes is None and node_hashes(node, ps) == page_hashes(key, ps)  # computed when asked for
 
     match = tree.match_prefix(key[: 2 * ps])  # ends inside the node: splits it
     upper = match.last_device_node
@@ -45,7 +46,7 @@ def test_split_keeps_locks_and_host_protection_on_both_halves(page_size):
     assert match.device_indices.tolist() == list(range(100, 100 + 2 * ps))
     tree.check_integrity()
     assert tree.evictable_size() == 0 and tree.protected_size() == 3 * ps
-    assert tree.device_leaves() == [] and tree.host_leaves() == []
+    assert tree.evictable_leaves == set() and tree.evictable_host_leaves == set()
 
     tree.dec_lock_ref(node)  # unlocking the lower half unlocks the upper one with it
     tree.dec_lock_ref(node)

@@ -14,6 +14,7 @@ from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
+from hicache_lab.mem_cache.radix_tree import node_hashes
 
 
 def storage_world(world_config, **parallel):
@@ -126,5 +127,6 @@ def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
         cache.check_hicache_events()
     upper = cache.match_prefix(whole).last_device_node.parent
     assert len(upper.key) == 8 and upper.parent is cache.tree.root
-    assert backend.batch_exists(upper.hashes + cache.match_prefix(whole).last_device_node.hashes) == 16
+    lower = cache.match_prefix(whole).last_device_node
+    assert backend.batch_exists(node_hashes(upper, cfg.page_size) + node_hashes(lower, cfg.page_size)) == 16
     cache.close()
