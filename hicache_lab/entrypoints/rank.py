@@ -21,6 +21,7 @@ from ..distributed.parallel_state import Groups, RankLayout, build_groups, get_a
 from ..errors import ConfigError
 from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
+from ..managers.step_timer import StepTimer
 from ..managers.step_trace import TraceWriter, trace_path
 from ..managers.workload import Feeder, make_workload
 from ..mem_cache.base import BasePrefixCache, StorageBackend
@@ -46,6 +47,7 @@ class Stage:
     loop: StageLoop
     cache: BasePrefixCache
     faults: list[Chances]  # the faults this rank was asked to inject, each counting its chances
+    timer: StepTimer | None = None  # where its steps spend their time, when asked (managers/step_timer.py)
 
 
 def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, directory: Path) -> StorageBackend:
@@ -92,7 +94,9 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
-    return Stage(loop, asked, install_faults(cfg, layout.rank, cache, loop))
+    faults = install_faults(cfg, layout.rank, cache, loop)
+    timer = StepTimer.attach(loop) if StepTimer.requested() else None  # last: it times what faults replaced
+    return Stage(loop, asked, faults, timer)
 
 
 def meet(cfg: RunConfig, out_dir: Path, run_id: str | None) -> list[dict]:
@@ -227,6 +231,8 @@ def _write(cfg: RunConfig, out_dir: Path, result: dict, stage: Stage | None, clo
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
         result["scheduling"] = scheduling_counts(loop)
+        if stage.timer is not None:
+            result["step_time"] = stage.timer.report()
         if result["rank"] == 0:
             write_requests(out_dir, loop.reqs)
         if closing and cfg.check_outputs and result["completed"]:
