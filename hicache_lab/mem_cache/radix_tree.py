@@ -416,11 +416,15 @@ class RadixTree:
         assert self._evictable_tokens == evictable, f"evictable tokens {self._evictable_tokens}, walk finds {evictable}"
 
     def digest(self) -> str:
-        """A hash of structure, tiers, locks and host protection (not slot indices): equal trees, equal digests."""
-        h = hashlib.sha256()
-        stack = [(self.root, 0)]
+        """A hash of structure, tiers, locks and host protection (not slot indices): equal trees, equal digests.
+        A key enters by its length and Python's hash of its token tuple, which is the same in every process (no
+        string is hashed); every step's trace records one, so it must stay cheap."""
+        parts, stack = [], [(self.root, 0)]
         while stack:  # pre-order with depths: the sequence determines the shape
             node, depth = stack.pop()
-            h.update(repr((depth, node.key, node.evicted, node.backuped, node.lock_ref, node.host_ref)).encode())
+            key = node.key
+            parts.append(
+                (depth, len(key), hash(key), node.value is None, node.host_value is None, node.lock_ref, node.host_ref)
+            )
             stack.extend((node.children[k], depth + 1) for k in sorted(node.children, reverse=True))
-        return h.hexdigest()[:16]
+        return hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
