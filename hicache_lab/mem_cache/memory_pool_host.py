@@ -1,6 +1,6 @@
-"""The host KV pool (L2): K and V of every layer in one tensor, pinned on CUDA, in SGLang's layouts:
-`layer_first` `[2, layers, tokens, ...]` or `page_first` `[2, tokens, layers, ...]`. `pcie.py` says how copies
-between it and the device pool cross PCIe.
+"""The host KV pool (L2): K and V of every layer in one tensor of the device pool's dtype, pinned on CUDA, in
+SGLang's layouts: `layer_first` `[2, layers, tokens, ...]` or `page_first` `[2, tokens, layers, ...]`. `pcie.py`
+says how copies between it and the device pool cross PCIe.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ class HostKVPool:
         n, h, d = device_pool.num_layers, first.shape[1], first.shape[2]
         shape = (2, n, size, h, d) if layout == "layer_first" else (2, size, n, h, d)
         on_gpu = device_pool.device.type == "cuda"
-        self.kv = torch.zeros(shape, dtype=device_pool.dtype, pin_memory=on_gpu)
+        self.dtype = device_pool.dtype
+        self.kv = torch.zeros(shape, dtype=self.dtype, pin_memory=on_gpu)
         self.size, self.layout, self.num_layers = size, layout, n
         self.bytes_per_token = device_pool.bytes_per_token
         # what copy kernels address: on a GPU, the same pinned bytes through their device address (UVA)
@@ -64,14 +65,15 @@ class HostKVPool:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
         With `page_first` pages long enough for DMA (`pcie.uses_dma`), the first callable moves every layer
         and the others do nothing."""
-        slots = _SlotIndices(host_idx, device_idx, device.device)
         if device.device.type == "cuda" and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx):
             move = pcie.dma_to_host if to_host else pcie.dma_to_device
 
-            def whole() -> None:
-                move(self.kv, device.kv, host_idx, slots.moved()[1], self._helper_stream)
+            def whole() -> None:  # the runs are cut on the CPU: no index goes to the device
+                move(self.kv, device.kv, host_idx, device_idx, self._helper_stream)
 
             return [whole] + [_nothing] * (self.num_layers - 1)
+
+        slots = _SlotIndices(host_idx, device_idx, device.device)
 
         def one(layer: int) -> None:
             self.copy_layer(to_host, device, *slots.moved(), layer)

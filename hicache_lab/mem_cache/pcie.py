@@ -2,21 +2,28 @@
 
 Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures both against a plain `copy_`):
 
-* **DMA of page runs** (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a host page
-  are adjacent, so each contiguous run of pages is one `copy_` per K and V. The device side is gathered into
-  page order (or scattered from it) on a helper stream, in chunks, so the gather of chunk c+1 overlaps the
-  DMA of chunk c. The whole job is one step: it gives up layer-by-layer overlap for bandwidth.
+* **DMA of slot runs** (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a host page
+  are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The device side of a run
+  is gathered into the host layout (or scattered from it) on a helper stream by a strided copy, so the gather
+  of run r+1 overlaps the DMA of run r. The DMAs go straight to the CUDA runtime
+  (`cudaMemcpyAsync` through ctypes): a third of `copy_`'s CPU time per call, which matters because the
+  scheduler's thread issues them. Where that library is not loaded, UVA does the copy. The whole job is one
+  step: it gives up layer-by-layer overlap for bandwidth.
 * **GPU loads and stores through UVA** (everything else): pinned host memory has a device address, so a
   kernel reads or writes the host pool directly, one launch per layer, whatever the page size or layout
   (SGLang's `kernel` I/O backend does the same with its own CUDA kernels). Where Triton is installed (it
   comes with CUDA builds of torch) the kernel runs on `COPY_PROGRAMS` thread blocks only, so a prefill can
-  compute on the other SMs while its prefix loads layer by layer; otherwise torch's index kernels do the
-  copy, and they take the whole GPU (`bench/load_overlap.py` shows the difference).
+  compute on the other SMs while its prefix loads layer by layer; each block moves `COPY_TILE` rows at a
+  time, which keeps enough reads in flight for loads. Otherwise torch's index kernels do the copy, and they
+  take the whole GPU (`bench/load_overlap.py` shows the difference).
 
 Each function runs on the current stream, which the copy engine has made its write or load stream.
 """
 
 from __future__ import annotations
+
+import ctypes
+from functools import cache
 
 import numpy as np
 import torch
@@ -27,12 +34,15 @@ try:
 except ImportError:  # CPU builds of torch come without it
     triton = None
 
-DMA_MIN_RUN_BYTES = 1 << 20  # below this a run's DMA costs more in calls than UVA loses in bandwidth
-DMA_CHUNKS = 4  # gather/DMA pipeline depth
-# Thread blocks a UVA copy may occupy (an H200 has 132 SMs). Measured there (BENCHMARKS.md): 16 keeps 0.84x of
-# the PCIe ceiling for backups and lets a prefill finish in 1.1-1.2x max(compute, copy); 32 loads faster but
-# overlaps less; 8 halves the load bandwidth.
+# Runs whose K (or V) is shorter than this go by UVA. Measured on an H200 (BENCHMARKS.md): runs of 1 MiB by DMA
+# reached 0.67-0.70x of the PCIe ceiling where UVA reached 0.83-0.90x; runs of 4 MiB by DMA 0.88-0.95x.
+DMA_MIN_RUN_BYTES = 4 << 20
+# Thread blocks a UVA copy may occupy (an H200 has 132 SMs), and rows each moves at a time. Measured there
+# (BENCHMARKS.md): 16 blocks let a prefill finish in 1.1-1.3x max(compute, copy) while its prefix loads; one
+# row at a time they loaded at 0.65x of the PCIe ceiling, 4 rows at a time at 0.86x (8 and 16: no better).
 COPY_PROGRAMS = 16
+COPY_TILE = 4
+CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction follows from the (unified) addresses
 
 _SAME_SIZE_INT = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
 
@@ -55,8 +65,8 @@ def device_alias(host: torch.Tensor) -> torch.Tensor:
 
 
 def uses_dma(layout: str, bytes_per_token: int, host_idx: torch.Tensor) -> bool:
-    """True when a copy of these host slots is best done as DMA of page runs (see the module docstring)."""
-    if layout != "page_first" or len(host_idx) == 0:
+    """True when a copy of these host slots is best done as DMA of slot runs (see the module docstring)."""
+    if layout != "page_first" or len(host_idx) == 0 or _cuda_runtime() is None:
         return False
     runs = int(np.count_nonzero(np.diff(host_idx.numpy()) != 1)) + 1
     return len(host_idx) * bytes_per_token / (2 * runs) >= DMA_MIN_RUN_BYTES
@@ -71,56 +81,96 @@ def runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, i
     return list(zip(dst[starts].tolist(), src[starts].tolist(), lengths.tolist(), strict=True))
 
 
-def _chunks(pieces: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    per = -(-len(pieces) // DMA_CHUNKS)
-    return [pieces[i : i + per] for i in range(0, len(pieces), per)]
+@cache
+def _cuda_runtime() -> ctypes.CDLL | None:
+    """The CUDA runtime library torch loaded (found in this process's memory map), or None."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
+    except OSError:
+        return None
+    if path is None:
+        return None
+    runtime = ctypes.CDLL(path)
+    runtime.cudaMemcpyAsync.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    ]
+    runtime.cudaMemcpyAsync.restype = ctypes.c_int
+    return runtime
+
+
+def _dma(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    """dst <- src (contiguous, one on the device and one in pinned host memory) by DMA on `stream`."""
+    nbytes = src.numel() * src.element_size()
+    err = _cuda_runtime().cudaMemcpyAsync(
+        dst.data_ptr(), src.data_ptr(), nbytes, CUDA_MEMCPY_DEFAULT, stream.cuda_stream
+    )
+    if err:
+        raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed with CUDA error {err}")
+
+
+def _staging(host_kv: torch.Tensor, device_kv: torch.Tensor, tokens: int) -> torch.Tensor:
+    """A device buffer of `tokens` slots in the host layout, [2, tokens, layers, heads, head_dim]."""
+    return torch.empty((2, tokens, *host_kv.shape[2:]), dtype=host_kv.dtype, device=device_kv.device)
 
 
 def dma_to_host(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device_idx, helper) -> None:
-    """host_kv [2, tokens, layers, ...] (page_first) <- device_kv [2, layers, tokens, ...], page runs by DMA."""
+    """host_kv [2, tokens, layers, ...] (page_first) <- device_kv [2, layers, tokens, ...] by DMA, a run of slots
+    contiguous on both sides at a time: gathered into the host layout on the helper stream (a strided copy,
+    no index), then K and V by one DMA each. Indices come on the CPU."""
     copy = torch.cuda.current_stream()
-    by_token = device_kv.transpose(1, 2)
-    helper.wait_stream(copy)
-    for chunk in _chunks(runs(host_idx, torch.arange(len(host_idx)))):
-        lo, hi = chunk[0][1], chunk[-1][1] + chunk[-1][2]
+    by_token = device_kv.transpose(1, 2)  # [2, tokens, layers, heads, head_dim], like the host pool
+    staged = _staging(host_kv, device_kv, len(host_idx))
+    helper.wait_stream(copy)  # the KV being backed up is ready on the copy stream
+    offset = 0
+    for h, d, n in runs(host_idx, device_idx):
         with torch.cuda.stream(helper):
-            staged = by_token[:, device_idx[lo:hi]]  # one gather, in page order, in HBM
+            staged[:, offset : offset + n].copy_(by_token[:, d : d + n])
         copy.wait_stream(helper)
-        staged.record_stream(copy)
-        for d, s, n in chunk:
-            for kind in (0, 1):
-                host_kv[kind, d : d + n].copy_(staged[kind, s - lo : s - lo + n], non_blocking=True)
+        for kind in (0, 1):
+            _dma(host_kv[kind, h : h + n], staged[kind, offset : offset + n], copy)
+        offset += n
+    staged.record_stream(copy)
 
 
 def dma_to_device(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device_idx, helper) -> None:
-    """The reverse of `dma_to_host`: page runs by DMA into HBM, scattered into the pool on a helper stream."""
+    """The reverse of `dma_to_host`: runs by DMA into HBM, each scattered into the pool on the helper stream."""
     copy = torch.cuda.current_stream()
     by_token = device_kv.transpose(1, 2)
-    for chunk in _chunks(runs(torch.arange(len(host_idx)), host_idx)):
-        lo, hi = chunk[0][0], chunk[-1][0] + chunk[-1][2]
-        staged = torch.empty((2, hi - lo, *host_kv.shape[2:]), dtype=host_kv.dtype, device=device_kv.device)
-        for d, s, n in chunk:
-            for kind in (0, 1):
-                staged[kind, d - lo : d - lo + n].copy_(host_kv[kind, s : s + n], non_blocking=True)
+    staged = _staging(host_kv, device_kv, len(host_idx))
+    offset = 0
+    for d, h, n in runs(device_idx, host_idx):
+        for kind in (0, 1):
+            _dma(staged[kind, offset : offset + n], host_kv[kind, h : h + n], copy)
         helper.wait_stream(copy)
         with torch.cuda.stream(helper):
-            by_token[:, device_idx[lo:hi]] = staged
-        staged.record_stream(helper)
+            by_token[:, d : d + n].copy_(staged[:, offset : offset + n])
+        offset += n
+    staged.record_stream(helper)
     copy.wait_stream(helper)
 
 
 if triton is not None:
 
     @triton.jit
-    def _copy_rows_kernel(src, dst, src_rows, dst_rows, n, src_kind, src_row, dst_kind, dst_row, ROW: tl.constexpr):
-        """dst[kind, dst_rows[i]] = src[kind, src_rows[i]] for K and V (grid axis 1), rows of ROW elements."""
+    def _copy_rows_kernel(
+        src, dst, src_rows, dst_rows, n, src_kind, src_row, dst_kind, dst_row, ROW: tl.constexpr, TILE: tl.constexpr
+    ):
+        """dst[kind, dst_rows[i]] = src[kind, src_rows[i]] for K and V (grid axis 1), rows of ROW elements,
+        TILE rows per block at a time."""
         cols = tl.arange(0, ROW)
         kind = tl.program_id(1)
-        for i in range(tl.program_id(0), n, tl.num_programs(0)):
-            s = tl.load(src_rows + i).to(tl.int64)
-            d = tl.load(dst_rows + i).to(tl.int64)
-            row = tl.load(src + kind * src_kind + s * src_row + cols)
-            tl.store(dst + kind * dst_kind + d * dst_row + cols, row)
+        for start in range(tl.program_id(0) * TILE, n, tl.num_programs(0) * TILE):
+            i = start + tl.arange(0, TILE)
+            inside = i < n
+            s = tl.load(src_rows + i, mask=inside, other=0).to(tl.int64)
+            d = tl.load(dst_rows + i, mask=inside, other=0).to(tl.int64)
+            rows = tl.load(src + kind * src_kind + s[:, None] * src_row + cols[None, :], mask=inside[:, None])
+            tl.store(dst + kind * dst_kind + d[:, None] * dst_row + cols[None, :], rows, mask=inside[:, None])
 
 
 def copy_layer(to_host: bool, host_layer: torch.Tensor, device_layer: torch.Tensor, host_idx, device_idx) -> None:
@@ -136,4 +186,4 @@ def copy_layer(to_host: bool, host_layer: torch.Tensor, device_layer: torch.Tens
     assert src.stride(2) == dst.stride(2) == src.shape[3] and src.stride(3) == dst.stride(3) == 1
     grid = (COPY_PROGRAMS, 2)
     strides = (src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
-    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, len(src_idx), *strides, ROW=row)
+    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, len(src_idx), *strides, ROW=row, TILE=COPY_TILE)
