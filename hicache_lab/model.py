@@ -1,8 +1,12 @@
 """A tiny real transformer whose outputs prove that cached KV is right.
 
-fp32, seeded weights (the same on every process), RMSNorm, RoPE attention that reads K/V from the device pool
-by slot index, a SiLU MLP and greedy sampling. Logits are scaled (`logit_scale`) so the top-1 margin dwarfs
-float noise: a request served from cache must pick the same tokens as one computed from scratch.
+Seeded weights (the same on every process), RMSNorm, RoPE attention that reads K/V from the device pool by
+slot index, a SiLU MLP and greedy sampling. Logits are scaled (`logit_scale`) so the top-1 margin dwarfs float
+noise: a request served from cache must pick the same tokens as one computed from scratch.
+
+`--dtype` (fp32 by default, or bf16 as SGLang serves) is that of the weights, the activations and the KV the
+pools hold. As in SGLang's kernels, RMSNorm, RoPE and the softmax compute in fp32 on bf16 inputs, and the final
+norm and lm_head run in fp32, so logits are fp32 whatever the dtype.
 
 A model instance holds a contiguous range of layers (a PP stage) and a slice of the heads (a TP shard; the
 attention output and MLP are all-reduced over the TP compute group). Under CP, each peer projects K/V for
@@ -20,7 +24,7 @@ import torch.distributed as dist
 from .config import ModelConfig
 from .distributed.parallel_state import group_rank_and_size
 from .mem_cache.base import CopyEvent
-from .mem_cache.memory_pool import DeviceKVPool
+from .mem_cache.memory_pool import DeviceKVPool, torch_dtype
 
 
 @dataclass
@@ -35,8 +39,10 @@ class ForwardBatch:
     load_event: CopyEvent | None = None  # layer-wise load to wait on before attention reads the pool
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * weight
+def _rms_norm(x: torch.Tensor, weight: float) -> torch.Tensor:
+    """RMSNorm computed in fp32, returned in the dtype of `x`."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(x.dtype)
 
 
 class TinyModel:
@@ -50,7 +56,7 @@ class TinyModel:
         attn_tp_group=None,
         attn_cp_group=None,
     ):
-        self.cfg, self.device = cfg, torch.device(device)
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), torch_dtype(cfg.dtype)
         self.layers = layers if layers is not None else range(cfg.num_layers)
         self.tp_size, self.attn_tp_group, self.attn_cp_group = tp_size, attn_tp_group, attn_cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(attn_cp_group)
@@ -63,7 +69,7 @@ class TinyModel:
         heads = slice(tp_rank * d // tp_size, (tp_rank + 1) * d // tp_size)
         mlp = slice(tp_rank * f // tp_size, (tp_rank + 1) * f // tp_size)
         self.embed_tokens = torch.randn(v, d, generator=g)
-        self.lm_head = rand(d, v) * cfg.logit_scale
+        self.lm_head = rand(d, v) * cfg.logit_scale  # stays fp32: logits are fp32 in every dtype
         self.weights = []
         for i in range(cfg.num_layers):  # draw every layer so each stage's slice matches the full model's
             w = {
@@ -76,17 +82,18 @@ class TinyModel:
                 "w_down": rand(f, d)[mlp, :],
             }
             if i in self.layers:
-                self.weights.append({k: t.contiguous().to(self.device) for k, t in w.items()})
-        self.embed_tokens, self.lm_head = self.embed_tokens.to(self.device), self.lm_head.to(self.device)
+                self.weights.append({k: t.contiguous().to(self.device, self.dtype) for k, t in w.items()})
+        self.embed_tokens, self.lm_head = self.embed_tokens.to(self.device, self.dtype), self.lm_head.to(self.device)
         self.num_local_heads = cfg.num_heads // tp_size
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=self.device) / half)
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding, computed in fp32, returned in the dtype of `x`."""
         angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
@@ -101,7 +108,7 @@ class TinyModel:
             return self._rope((x @ w["wk"]).view(-1, h, hd), positions), (x @ w["wv"]).view(-1, h, hd)
         share = -(-n // self.cp_size)
         rows = slice(self.cp_rank * share, min(n, (self.cp_rank + 1) * share))
-        mine = torch.zeros(2, share, h, hd, device=self.device)
+        mine = torch.zeros(2, share, h, hd, device=self.device, dtype=x.dtype)
         kept = rows.stop - rows.start
         if kept > 0:
             mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), positions[rows])
@@ -148,7 +155,8 @@ class TinyModel:
                 scores = qi @ ki.transpose(1, 2) / hd**0.5
                 causal = torch.ones(n, len(slots), dtype=torch.bool, device=self.device).tril(len(slots) - n)
                 scores = scores.masked_fill(~causal, float("-inf"))
-                outputs.append((scores.softmax(-1) @ vi).transpose(0, 1).reshape(n, h * hd))
+                probs = scores.softmax(-1, dtype=torch.float32).to(vi.dtype)
+                outputs.append((probs @ vi).transpose(0, 1).reshape(n, h * hd))
                 start += n
             hidden = hidden + self._all_reduce(torch.cat(outputs) @ w["wo"])
             x = _rms_norm(hidden, 1.0)
@@ -157,5 +165,5 @@ class TinyModel:
         return hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of the given hidden rows, [rows, vocab]."""
-        return _rms_norm(hidden, 1.0) @ self.lm_head
+        """Logits of the given hidden rows, [rows, vocab], in fp32 (the final norm and lm_head too)."""
+        return _rms_norm(hidden.float(), 1.0) @ self.lm_head

@@ -10,6 +10,7 @@ import argparse
 import math
 
 from ..config import (
+    DTYPES,
     HOST_LAYOUTS,
     LATENCY_MODELS,
     PREFETCH_POLICIES,
@@ -45,6 +46,15 @@ FLAGS = [
     ("--mlp-size", "model", "mlp_size", int, "MLP width"),
     ("--vocab-size", "model", "vocab_size", int, "vocabulary size"),
     ("--model-seed", "model", "seed", int, "seed of the model weights"),
+    (
+        "--dtype",
+        "model",
+        "dtype",
+        str,
+        f"number format of the weights, activations and KV pools: {', '.join(DTYPES)}. SGLang serves bfloat16: "
+        "half the bytes of KV per token, so the pools take half the memory, --hicache-size holds twice the tokens "
+        "and every copy moves half the bytes. Logits stay float32, so greedy sampling is stable",
+    ),
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
     ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),
     ("--hicache-ratio", "cache", "hicache_ratio", finite_float, "host pool size as a multiple of the device pool"),

@@ -12,7 +12,7 @@ import torch
 from ..config import RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
-from ..mem_cache.memory_pool import kv_bytes_per_token
+from ..mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
 
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
 PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
@@ -50,7 +50,7 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
     if c.enable_hierarchical_cache:  # sized in bytes, every stage must still hold more than its device pool
         for stage in range(p.pp):
             layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
-            c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim))
+            c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim, torch_dtype(m.dtype)))
 
 
 def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
@@ -59,12 +59,14 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     m, c, w, p = cfg.model, cfg.cache, cfg.workload, cfg.parallel
     ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
     layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
-    kv = 2 * layers * heads * m.head_dim * 4 + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token, fp32
+    dtype = torch_dtype(m.dtype)  # of the weights and the KV; lm_head and logits stay fp32 (model.py)
+    kv = kv_bytes_per_token(layers, heads, m.head_dim, dtype) + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token
     host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
     host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
     d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
-    weights = ranks * 4 * (2 * v * d + layers * layer / p.tp + layer)  # embeddings, lm_head, a stage's shard
-    weights += stage * 4 * (2 * v * d + m.num_layers * layer) if cfg.check_outputs else 0  # the oracle's model
+    item = dtype.itemsize  # lm_head (fp32), then embeddings and a stage's shard (the dtype)
+    weights = ranks * (4 * v * d + item * (v * d + layers * layer / p.tp + layer))
+    weights += stage * (4 * v * d + item * (v * d + m.num_layers * layer)) if cfg.check_outputs else 0  # the oracle's
     lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
     requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
     longest, chunk = max(lengths), min(w.chunk_size or max(lengths), max(lengths))

@@ -82,7 +82,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
         attn_cp_group=groups.attn_cp_compute if cp_size > 1 else None,
     )
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
-    kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device)
+    kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device, model.dtype)
     backend = None
     if c.storage_backend != "none":
         backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))

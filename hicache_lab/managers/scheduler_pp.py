@@ -193,7 +193,7 @@ class StageLoop:
     def _recv_hidden(self) -> torch.Tensor:
         shape = torch.zeros(2, dtype=torch.int64)
         dist.recv(shape, group_src=self.pp_rank - 1, group=self.groups.pp_control)
-        hidden = torch.zeros(*shape.tolist(), device=self.model.device)
+        hidden = torch.zeros(*shape.tolist(), device=self.model.device, dtype=self.model.dtype)
         if hidden.numel():
             dist.recv(hidden, group_src=self.pp_rank - 1, group=self.groups.pp_compute)
         return hidden

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..config import CacheConfig
 from ..distributed.cache_sync import CacheSync
 from .base import CopyEngine, StorageBackend
@@ -22,16 +24,17 @@ from .storage_tier import StorageTier
 
 @dataclass(frozen=True)
 class KVShape:
-    """What one rank's pools hold per token: its stage's layers, its shard of the heads."""
+    """What one rank's pools hold per token: its stage's layers, its shard of the heads, in the model's dtype."""
 
     num_layers: int
     num_heads: int
     head_dim: int
     device: str = "cpu"
+    dtype: torch.dtype = torch.float32
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim)
+        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim, self.dtype)
 
 
 def build_cache(
@@ -50,7 +53,7 @@ def build_cache(
     `check_copies` compares every consumed copy with its source (`--check-outputs`). Sized in bytes, the host
     pool's token count is agreed across ranks (`CacheSync.agree_host_capacity`): collective, like the sync itself.
     """
-    pool = DeviceKVPool(cfg.max_total_tokens, kv.num_layers, kv.num_heads, kv.head_dim, kv.device)
+    pool = DeviceKVPool(cfg.max_total_tokens, kv.num_layers, kv.num_heads, kv.head_dim, kv.device, kv.dtype)
     device_alloc = PageAllocator(cfg.max_total_tokens, cfg.page_size, "device pool")
     if not cfg.enable_hierarchical_cache:
         return pool, RadixCache(cfg, device_alloc)

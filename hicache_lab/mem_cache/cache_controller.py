@@ -141,7 +141,7 @@ class HiCacheController:
         digest = hashlib.sha256()
         for layer in range(pool.num_layers):
             for buffer in pool.buffers(layer):
-                digest.update(buffer[indices.to(buffer.device)].cpu().numpy().tobytes())
+                digest.update(buffer[indices.to(buffer.device)].cpu().view(torch.uint8).numpy().tobytes())
         return digest.hexdigest()
 
     def verify(self, ack: HiCacheAck, what: str) -> None:

@@ -44,17 +44,18 @@ from ..distributed.parallel_state import RankLayout
 from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
-MAGIC = b"HCLP2"  # file format tag: magic, 32-byte sha256 of key and payload, payload (float32 K/V of one page)
+MAGIC = b"HCLP2"  # file format tag: magic, 32-byte sha256 of key and payload, payload (K/V of one page, pool dtype)
 MOONCAKE_RPC_FAIL = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer
 MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest global segment a Mooncake client accepts (its setup refuses less)
-KV_DTYPE = "float32"  # what the pools hold (memory_pool.py); part of every key
 
 
 def model_fingerprint(model: ModelConfig) -> str:
-    """12 hex digits naming the weights and shape of `model` and the KV dtype: two models share keys only if
-    every field that changes a page's bytes is equal."""
-    fields = json.dumps({**dataclasses.asdict(model), "kv_dtype": KV_DTYPE}, sort_keys=True)
-    return hashlib.sha256(fields.encode()).hexdigest()[:12]
+    """12 hex digits naming the weights and shape of `model` and the KV dtype (`--dtype`): two models share keys
+    only if every field that changes a page's bytes is equal, so a float32 run never reads a bfloat16 run's pages.
+    The dtype goes in as `kv_dtype`, the name it had when it was a constant: float32 keys stay as they were."""
+    fields = dataclasses.asdict(model)
+    fields["kv_dtype"] = fields.pop("dtype")
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def storage_suffix(model: ModelConfig, tp_rank: int, tp: int, layers: range, cp_rank: int | None = None) -> str:
@@ -90,7 +91,7 @@ class FileStorage:
 
     def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
         for i, (page_hash, slots) in enumerate(zip(hashes, page_slots, strict=True)):
-            data = self._read(page_hash, host.page_shape(len(slots)))
+            data = self._read(page_hash, host.page_shape(len(slots)), host.dtype)
             if data is None:
                 self.stats["read_misses"] += 1
                 return i
@@ -130,7 +131,7 @@ class FileStorage:
         return f"{page_hash}_{self.suffix}".encode()
 
     def _write(self, page_hash: str, data: torch.Tensor) -> None:
-        payload = data.contiguous().numpy().tobytes()
+        payload = data.contiguous().view(torch.uint8).numpy().tobytes()  # numpy has no bfloat16: the raw bytes
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -140,8 +141,8 @@ class FileStorage:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    def _read(self, page_hash: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        path, expected = self._path(page_hash), len(MAGIC) + 32 + 4 * torch.Size(shape).numel()
+    def _read(self, page_hash: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        path, expected = self._path(page_hash), len(MAGIC) + 32 + dtype.itemsize * torch.Size(shape).numel()
         try:  # non-blocking, and regular files only: a FIFO or device under a page's name must not stall a read
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
         except OSError:
@@ -159,7 +160,7 @@ class FileStorage:
         elif hashlib.sha256(self._key(page_hash) + payload).digest() != checksum:
             log.warning("storage page %s is corrupted, or another page's: treated as a miss", path.name)
         else:
-            return torch.frombuffer(bytearray(payload), dtype=torch.float32).view(shape)
+            return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
         self.stats["corrupted"] += 1
         return None
 
@@ -187,8 +188,8 @@ class MooncakeStorage:
         if self.store.setup("127.0.0.1", metadata_url, global_segment, segment, "tcp", "", master) != 0:
             raise RuntimeError(f"could not join the Mooncake store at master {master}: is mooncake_master running?")
         self.suffix, self.page_bytes, self.batch_pages = suffix, page_bytes, batch_pages
-        self.staging = torch.zeros(batch_pages * page_bytes // 4)
-        if self.store.register_buffer(self.staging.data_ptr(), self.staging.numel() * 4) != 0:
+        self.staging = torch.zeros(batch_pages * page_bytes, dtype=torch.uint8)  # bytes: any pool dtype fits
+        if self.store.register_buffer(self.staging.data_ptr(), self.staging.numel()) != 0:
             raise RuntimeError("Mooncake refused to register the staging buffer")
         self.staging_lock = threading.Lock()
         self.master, self.lost = master, False
@@ -202,9 +203,9 @@ class MooncakeStorage:
             addresses = [base + i * self.page_bytes for i in range(len(keys))]
             yield keys, page_slots[start : start + self.batch_pages], addresses, [self.page_bytes] * len(keys)
 
-    def _staged(self, i: int) -> torch.Tensor:
-        """The staging rows of the batch's page i."""
-        return self.staging[i * self.page_bytes // 4 : (i + 1) * self.page_bytes // 4]
+    def _staged(self, i: int, host: HostKVPool) -> torch.Tensor:
+        """The staging bytes of the batch's page i, as elements of the host pool's dtype."""
+        return self.staging[i * self.page_bytes : (i + 1) * self.page_bytes].view(host.dtype)
 
     def _answered(self, codes: list[int]) -> bool:
         """Whether the master answered the call that returned `codes`; if not, the store is lost from now on."""
@@ -232,7 +233,7 @@ class MooncakeStorage:
                     if size != self.page_bytes or not self._answered(read):
                         self.stats["read_misses"] += 1
                         return done
-                    host.set_page_data(page, self._staged(i).view(host.page_shape(len(page))))
+                    host.set_page_data(page, self._staged(i, host).view(host.page_shape(len(page))))
                     done += 1
                     self.stats["pages_read"] += 1
         return done
@@ -244,7 +245,7 @@ class MooncakeStorage:
                 return done
             with self.staging_lock:
                 for i, page in enumerate(slots):
-                    self._staged(i).copy_(host.page_data(page).flatten())
+                    self._staged(i, host).copy_(host.page_data(page).flatten())
                 results = self.store.batch_put_from(keys, addresses, sizes)
             self._answered(results)
             ok = next((i for i, rc in enumerate(results) if rc != 0), len(results))

@@ -1,8 +1,9 @@
 """The device KV pool (L1) and the page allocator every pool uses.
 
-The device pool keeps K and V of every layer in one tensor, `[2, layers, tokens, heads, head_dim]`. Slots are
-handed out a page at a time; every slot tensor the cache handles is a whole number of pages. Running out is a
-`PoolExhaustedError` (raised by the cache, which may evict first), a double free an assertion.
+The device pool keeps K and V of every layer in one tensor, `[2, layers, tokens, heads, head_dim]`, of the model's
+dtype (`--dtype`; the host pool takes the same). Slots are handed out a page at a time; every slot tensor the
+cache handles is a whole number of pages. Running out is a `PoolExhaustedError` (raised by the cache, which may
+evict first), a double free an assertion.
 """
 
 from __future__ import annotations
@@ -12,6 +13,11 @@ from collections import deque
 import torch
 
 POISON = float("nan")  # what a slot holds while a copy into it is still in flight (virtual latency)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a `--dtype` name (config.DTYPES, which ModelConfig checks: "float32", "bfloat16")."""
+    return getattr(torch, name)
 
 
 def kv_bytes_per_token(num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> int:
