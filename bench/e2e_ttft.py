@@ -1,11 +1,28 @@
-"""End to end on a GPU: TTFT per round with and without the hierarchical cache, for a model of realistic shape.
+"""End to end on a GPU: TTFT per round with and without the hierarchical cache, against its bounds, in one run.
 
-A randomly initialised ~0.9B-parameter model (16 layers, hidden 2048, MLP 5632, 32k vocabulary, fp32) serves
-long multi-turn conversations whose history outgrows the device pool, so later rounds either recompute the
-history (L1 only) or copy it back from host memory (L1 + L2). Both runs use the same workload and seed;
-the ratio of mean TTFT in the later rounds is the figure (target: L1 + L2 at least 2x lower).
+A randomly initialised ~0.9B-parameter model (16 layers, hidden 2048, MLP 5632, 32k vocabulary; fp32, or bf16
+with `--dtype bfloat16`) serves long multi-turn conversations whose history outgrows the device pool. The same
+workload and seed run three times:
+
+* **L1 only** - later rounds recompute the history that the device pool had to evict;
+* **L1 + L2** - they load it back from host memory instead;
+* **all on device** - a device pool that holds every conversation whole (no host tier, no eviction, no copies):
+  its TTFT is the floor.
+
+Then, on the same GPU, a plain pinned-host -> device `copy_` of the bytes each round of L1 + L2 loaded (the
+tokens its requests found on the host, or that a prefetch brought there from storage, times the KV bytes per
+token of the model's shape and dtype) is timed: median of `--copy-repeats`, CUDA events. Two bounds follow per
+round, as issue 17 defines them: the **serial** bound, floor + copy (the load done before the compute), and the
+**overlap** bound, max(floor, copy) (the load hidden under it). The figure: L1 + L2's TTFT cut (L1 only - L1 + L2)
+as a ratio of each bound's cut (L1 only - bound), per round and for the mean of the rounds from `--later-from`
+(1.0 = the bound reached). On CPU there is no copy to time: copy and bounds are reported as not applicable.
 
     PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real
+    PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real --dtype bfloat16 \\
+        --out bench/results/e2e_ttft_bf16.json
+    PYTHONPATH=. python -m bench.e2e_ttft --smoke --out /tmp/e2e_ttft.json   # CPU, seconds: a tiny model
+
+Writes bench/results/e2e_ttft.json (or `--out`): the machine, the config, each run's rounds, and the table.
 """
 
 from __future__ import annotations
@@ -13,10 +30,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import statistics
+from pathlib import Path
 
-from bench.common import RESULTS
+import torch
+
+from bench.common import RESULTS, check, machine_info, ratio
+from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
+from hicache_lab.mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
 
 REALISTIC = {
     "num_layers": 16,
@@ -34,28 +58,201 @@ REALISTIC = {
     "page_size": 64,
     "host_layout": "page_first",  # whole pages per copy: ~5x the bandwidth of layer_first (BENCHMARKS.md)
 }
+SMOKE = {  # lab/presets.WORKLOAD's world (the default tiny model, 2 layers, pages of 4): it outgrows the device pool
+    "num_layers": 2,
+    "num_clients": 4,
+    "num_rounds": 4,
+    "request_length": 32,
+    "sub_question_input_length": 16,
+    "output_length": 8,
+    "max_total_tokens": 256,
+    "hicache_ratio": 3.0,
+    "page_size": 4,
+}
+RUNS = ("L1 only", "L1 + L2", "all on device")
+TTFT_KEYS = {"L1 only": "l1_only_ttft_ms", "L1 + L2": "l1_l2_ttft_ms", "all on device": "all_on_device_ttft_ms"}
 
 
-def main() -> None:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The run flags (defaults: REALISTIC, or SMOKE with `--smoke`; a flag given still wins) and the bench's own."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--smoke", action="store_true")
+    smoke = pre.parse_known_args(argv)[0].smoke
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_flags(parser, **REALISTIC)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: a CPU check in seconds")
+    add_run_flags(parser, **(SMOKE if smoke else REALISTIC))
     parser.add_argument("--later-from", type=int, default=2, help="first round counted as 'later'")
-    args = parser.parse_args()
-    base = config_from_args(args)
-    results = {}
-    for label, hicache in (("L1 only", False), ("L1 + L2", True)):
-        cfg = dataclasses.replace(base, cache=dataclasses.replace(base.cache, enable_hierarchical_cache=hicache))
-        print(f"=== {label} ===")
-        results[label] = run(cfg, verbose=True)["rounds"]
-    later = {k: [r for r in rows if r["round"] >= args.later_from] for k, rows in results.items()}
-    ttft = {k: sum(r["ttft_ms"] for r in rows) / len(rows) for k, rows in later.items()}
-    print(
-        f"\nmean TTFT, rounds >= {args.later_from}: L1 only {ttft['L1 only']:.1f} ms, "
-        f"L1 + L2 {ttft['L1 + L2']:.1f} ms, ratio {ttft['L1 only'] / ttft['L1 + L2']:.2f}x"
+    parser.add_argument("--copy-repeats", type=int, default=5, help="timed copies per round (their median counts)")
+    parser.add_argument("--out", type=Path, default=RESULTS / "e2e_ttft.json", help="where the JSON result goes")
+    return parser.parse_args(argv)
+
+
+def holds_everything(cfg: RunConfig) -> int:
+    """Device pool tokens for every conversation's whole history at once: page-aligned, a page to spare each."""
+    w, ps = cfg.workload, cfg.cache.page_size
+    return w.num_clients * (-(-w.longest_sequence() // ps) + 1) * ps
+
+
+def run_configs(base: RunConfig) -> dict[str, RunConfig]:
+    """The three runs of the same workload: device pool alone, with the host tier, and large enough for all."""
+    c = base.cache
+    everything = max(c.max_total_tokens, holds_everything(base))
+    return {
+        "L1 only": dataclasses.replace(base, cache=dataclasses.replace(c, enable_hierarchical_cache=False)),
+        "L1 + L2": dataclasses.replace(base, cache=dataclasses.replace(c, enable_hierarchical_cache=True)),
+        "all on device": dataclasses.replace(
+            base, cache=dataclasses.replace(c, enable_hierarchical_cache=False, max_total_tokens=everything)
+        ),
+    }
+
+
+def loaded_tokens(row: dict) -> int:
+    """Tokens a round's requests had copied host -> device: those found on the host and those a prefetch brought
+    to the host from storage (report.round_rows; a retracted request's second load is not counted again)."""
+    return row["cached_host"] + row["cached_storage"]
+
+
+def time_copies(sizes: list[int], device: str, repeats: int) -> list[float | None]:
+    """Median ms of a plain pinned-host -> device `copy_` of each byte count (CUDA events, after a warm-up copy);
+    None for each on CPU, where there is no such copy."""
+    if device != "cuda":
+        return [None] * len(sizes)
+    torch.cuda.empty_cache()
+    biggest = max(sizes, default=0)
+    src = torch.empty(biggest, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(biggest, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for n in sizes:
+        samples = []
+        for _ in range(repeats if n else 0):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst[:n].copy_(src[:n], non_blocking=True)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times.append(statistics.median(samples) if samples else 0.0)
+    return times
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def bound_ms(floor: float, copy: float | None) -> dict:
+    """A round's bounds: serial, the copy before the compute (floor + copy); overlap, the copy hidden under it
+    (max of the two). None where the copy was not timed."""
+    if copy is None:
+        return {"serial_bound_ms": None, "overlap_bound_ms": None}
+    return {"serial_bound_ms": floor + copy, "overlap_bound_ms": max(floor, copy)}
+
+
+def cut_ratios(row: dict) -> dict:
+    """L1 + L2's TTFT cut (L1 only - L1 + L2) as a ratio of each bound's cut (L1 only - bound): 1.0 = the bound
+    reached. None where there is no bound, or it cuts nothing."""
+    l1, got, ratios = row["l1_only_ttft_ms"], row["l1_l2_ttft_ms"], {}
+    for name in ("serial", "overlap"):
+        bound = row[f"{name}_bound_ms"]
+        ratios[f"cut_vs_{name}"] = None if bound is None else _finite(ratio(l1 - got, l1 - bound))
+    return ratios
+
+
+def round_table(rounds: dict[str, list[dict]], copy_ms: list[float | None], bytes_per_token: int) -> list[dict]:
+    """One row per round: the three TTFTs, what L1 + L2 loaded and its copy time, the bounds and the ratios."""
+    rows = []
+    for i, l12 in enumerate(rounds["L1 + L2"]):
+        row = {"round": l12["round"], **{TTFT_KEYS[k]: rounds[k][i]["ttft_ms"] for k in RUNS}}
+        tokens = loaded_tokens(l12)
+        row |= {"loaded_tokens": tokens, "loaded_bytes": tokens * bytes_per_token, "copy_ms": copy_ms[i]}
+        row |= bound_ms(row["all_on_device_ttft_ms"], copy_ms[i])
+        rows.append(row | cut_ratios(row))
+    return rows
+
+
+def later_mean(rows: list[dict], later_from: int) -> dict:
+    """The rounds from `later_from` on: mean TTFTs, copy time and bounds (a round's bound holds for that round,
+    so the mean of the bounds bounds the mean TTFT), and the ratios of those means."""
+    later = [r for r in rows if r["round"] >= later_from]
+    check(bool(later), f"--later-from {later_from}: no round that late (the workload has {len(rows)})")
+    mean = {"rounds": [r["round"] for r in later]}
+    for key in (*TTFT_KEYS.values(), "loaded_tokens", "loaded_bytes", "copy_ms", "serial_bound_ms", "overlap_bound_ms"):
+        values = [r[key] for r in later]
+        mean[key] = None if None in values else statistics.fmean(values)
+    return mean | cut_ratios(mean)
+
+
+def _cell(value: float | None, decimals: int) -> str:
+    return f"{'n/a':>8}" if value is None else f"{value:>8.{decimals}f}"
+
+
+def format_table(rows: list[dict], mean: dict) -> str:
+    """The per-round table and the mean of the later rounds, in ms (ratios: 1.0 = the bound reached)."""
+    head = (
+        f"{'round':>6} {'L1 only':>8} {'L1+L2':>8} {'device':>8} {'loaded':>9} {'copy':>8} {'serial':>8} "
+        f"{'overlap':>8} {'cut/ser':>8} {'cut/ovl':>8}"
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = {"workload": REALISTIC, "config": dataclasses.asdict(base), "rounds": results, "later_mean_ttft_ms": ttft}
-    (RESULTS / "e2e_ttft.json").write_text(json.dumps(out, indent=1) + "\n")
+    lines = [head, f"{'':>6} {'ms':>8} {'ms':>8} {'ms':>8} {'MB':>9} {'ms':>8} {'ms':>8} {'ms':>8}"]
+    labelled = [(str(r["round"]), r) for r in rows] + [(f">={mean['rounds'][0]}", mean)]
+    for label, r in labelled:
+        ratios = r["loaded_tokens"] > 0  # a round that loads nothing cuts nothing: its ratios are noise over noise
+        lines.append(
+            f"{label:>6} {r['l1_only_ttft_ms']:>8.1f} {r['l1_l2_ttft_ms']:>8.1f} {r['all_on_device_ttft_ms']:>8.1f} "
+            f"{r['loaded_bytes'] / 1e6:>9.1f} {_cell(r['copy_ms'], 1)} {_cell(r['serial_bound_ms'], 1)} "
+            f"{_cell(r['overlap_bound_ms'], 1)} {_cell(r['cut_vs_serial'] if ratios else None, 2)} "
+            f"{_cell(r['cut_vs_overlap'] if ratios else None, 2)}"
+        )
+    return "\n".join(lines)
+
+
+def measure(configs: dict[str, RunConfig]) -> dict[str, list[dict]]:
+    """Each run's rounds (report.round_rows), in order; a failed run, or a floor that missed, stops the bench."""
+    rounds = {}
+    for label, cfg in configs.items():
+        print(f"=== {label} (device pool {cfg.cache.max_total_tokens} tokens) ===")
+        summary = run(cfg, verbose=True)
+        check(summary["completed"], f"{label}: the run failed: {summary['error']}")
+        rounds[label] = summary["rounds"]
+    for row in rounds["all on device"]:  # the floor holds everything, or it is no floor
+        check(
+            math.isclose(row["hit_rate"], row["upper_bound_hit_rate"]),
+            f"all on device, round {row['round']}: hit rate {row['hit_rate']:.1%} under its bound "
+            f"{row['upper_bound_hit_rate']:.1%}: {configs['all on device'].cache.max_total_tokens} tokens evicted",
+        )
+    return rounds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    base = config_from_args(args)
+    m, p = base.model, base.parallel
+    check(p.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
+    check(not base.workload.trace_file, "conversations only: the all-on-device pool is sized from their lengths")
+    configs = run_configs(base)
+    rounds = measure(configs)
+    bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
+    sizes = [loaded_tokens(r) * bytes_per_token for r in rounds["L1 + L2"]]
+    rows = round_table(rounds, time_copies(sizes, p.device, args.copy_repeats), bytes_per_token)
+    mean = later_mean(rows, args.later_from)
+    print(f"\n{m.dtype}, KV {bytes_per_token:,} bytes per token; TTFT per round and its bounds:")
+    print(format_table(rows, mean))
+    gpu = torch.cuda.get_device_name() if p.device == "cuda" else None
+    result = {
+        "machine": machine_info(gpu=gpu, device=p.device, dtype=m.dtype),
+        "workload": SMOKE if args.smoke else REALISTIC,
+        "config": dataclasses.asdict(base),
+        "kv_bytes_per_token": bytes_per_token,
+        "all_on_device_tokens": configs["all on device"].cache.max_total_tokens,
+        "runs": rounds,
+        "rounds": rows,
+        "later_from": args.later_from,
+        "later_mean": mean,
+        "later_mean_ttft_ms": {label: mean[TTFT_KEYS[label]] for label in RUNS},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":
