@@ -2,7 +2,7 @@
 
 A randomly initialised ~0.9B-parameter model (16 layers, hidden 2048, MLP 5632, 32k vocabulary; fp32, or bf16
 with `--dtype bfloat16`) serves long multi-turn conversations whose history outgrows the device pool. The same
-workload and seed run three times:
+workload and seed run three ways (each `--repeats` times, in turn; a round's TTFT is the median):
 
 * **L1 only** - later rounds recompute the history that the device pool had to evict;
 * **L1 + L2** - they load it back from host memory instead;
@@ -17,8 +17,8 @@ round, as issue 17 defines them: the **serial** bound, floor + copy (the load do
 as a ratio of each bound's cut (L1 only - bound), per round and for the mean of the rounds from `--later-from`
 (1.0 = the bound reached). On CPU there is no copy to time: copy and bounds are reported as not applicable.
 
-    PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real
-    PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real --dtype bfloat16 \\
+    PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real --repeats 3
+    PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real --repeats 3 --dtype bfloat16 \\
         --out bench/results/e2e_ttft_bf16.json
     PYTHONPATH=. python -m bench.e2e_ttft --smoke --out /tmp/e2e_ttft.json   # CPU, seconds: a tiny model
 
@@ -82,6 +82,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: a CPU check in seconds")
     add_run_flags(parser, **(SMOKE if smoke else REALISTIC))
     parser.add_argument("--later-from", type=int, default=2, help="first round counted as 'later'")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (a round's median counts)")
     parser.add_argument("--copy-repeats", type=int, default=5, help="timed copies per round (their median counts)")
     parser.add_argument("--out", type=Path, default=RESULTS / "e2e_ttft.json", help="where the JSON result goes")
     return parser.parse_args(argv)
@@ -205,21 +206,31 @@ def format_table(rows: list[dict], mean: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(configs: dict[str, RunConfig]) -> dict[str, list[dict]]:
-    """Each run's rounds (report.round_rows), in order; a failed run, or a floor that missed, stops the bench."""
-    rounds = {}
-    for label, cfg in configs.items():
-        print(f"=== {label} (device pool {cfg.cache.max_total_tokens} tokens) ===")
-        summary = run(cfg, verbose=True)
-        check(summary["completed"], f"{label}: the run failed: {summary['error']}")
-        rounds[label] = summary["rounds"]
-    for row in rounds["all on device"]:  # the floor holds everything, or it is no floor
-        check(
-            math.isclose(row["hit_rate"], row["upper_bound_hit_rate"]),
-            f"all on device, round {row['round']}: hit rate {row['hit_rate']:.1%} under its bound "
-            f"{row['upper_bound_hit_rate']:.1%}: {configs['all on device'].cache.max_total_tokens} tokens evicted",
-        )
-    return rounds
+def measure(configs: dict[str, RunConfig], repeats: int) -> tuple[dict[str, list[dict]], dict[str, list[list[float]]]]:
+    """Each run's rounds (report.round_rows) and every repeat's TTFT per round. The runs take turns, `repeats`
+    times, and a round's `ttft_ms` becomes the median of its repeats (on a GPU the same run varies by tens of
+    percent from one repeat to the next); its other columns are the last repeat's. A failed run, or a floor
+    that missed, stops the bench."""
+    rounds, samples = {}, {label: [] for label in configs}
+    for repeat in range(repeats):
+        for label, cfg in configs.items():
+            print(
+                f"=== {label} (device pool {cfg.cache.max_total_tokens} tokens), repeat {repeat + 1} of {repeats} ==="
+            )
+            summary = run(cfg, verbose=True)
+            check(summary["completed"], f"{label}: the run failed: {summary['error']}")
+            rounds[label] = summary["rounds"]
+            samples[label].append([row["ttft_ms"] for row in summary["rounds"]])
+        for row in rounds["all on device"]:  # the floor holds everything, or it is no floor
+            check(
+                math.isclose(row["hit_rate"], row["upper_bound_hit_rate"]),
+                f"all on device, round {row['round']}: hit rate {row['hit_rate']:.1%} under its bound "
+                f"{row['upper_bound_hit_rate']:.1%}: {configs['all on device'].cache.max_total_tokens} tokens evicted",
+            )
+    for label, rows in rounds.items():
+        for i, row in enumerate(rows):
+            row["ttft_ms"] = statistics.median(ttfts[i] for ttfts in samples[label])
+    return rounds, samples
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -229,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     check(p.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
     check(not base.workload.trace_file, "conversations only: the all-on-device pool is sized from their lengths")
     configs = run_configs(base)
-    rounds = measure(configs)
+    rounds, samples = measure(configs, args.repeats)
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
     sizes = [loaded_tokens(r) * bytes_per_token for r in rounds["L1 + L2"]]
     rows = round_table(rounds, time_copies(sizes, p.device, args.copy_repeats), bytes_per_token)
@@ -244,6 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
         "kv_bytes_per_token": bytes_per_token,
         "all_on_device_tokens": configs["all on device"].cache.max_total_tokens,
         "runs": rounds,
+        "ttft_samples_ms": samples,
         "rounds": rows,
         "later_from": args.later_from,
         "later_mean": mean,

@@ -46,7 +46,8 @@ class HostKVPool:
         self.bytes_per_token = device_pool.bytes_per_token
         # what copy kernels address: on a GPU, the same pinned bytes through their device address (UVA)
         self._kv_for_kernels = pcie.device_alias(self.kv) if on_gpu else self.kv
-        self._helper_stream = torch.cuda.Stream(device_pool.device) if on_gpu else None
+        # a DMA's gathers or scatters, one stream per direction: a load never waits behind a backup's work
+        self._helpers = {d: torch.cuda.Stream(device_pool.device) for d in (True, False)} if on_gpu else None
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(self._layer(self.kv, layer))
@@ -55,25 +56,37 @@ class HostKVPool:
         """K and V of one layer, [2, tokens, heads, head_dim], a view of `kv` in this pool's layout."""
         return kv[:, layer] if self.layout == "layer_first" else kv[:, :, layer]
 
-    def copy_layer(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int) -> None:
-        """One layer's K and V between the pools by one kernel; on a GPU it reads or writes host memory directly
-        (`pcie.copy_layer`). Indices must be on the pools' device."""
-        host_layer = self._layer(self._kv_for_kernels, layer)
-        pcie.copy_layer(to_host, host_layer, device.kv[:, layer], host_idx, device_idx)
+    def _layers(self, lo: int, hi: int) -> torch.Tensor:
+        """K and V of layers [lo, hi), [2, layers, tokens, heads, head_dim], a view of what copy kernels address."""
+        kv = self._kv_for_kernels
+        return kv[:, lo:hi] if self.layout == "layer_first" else kv[:, :, lo:hi].transpose(1, 2)
+
+    def copy_layer(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int, last: int = 0) -> None:
+        """K and V of layers [layer, max(last, layer + 1)) between the pools by one kernel; on a GPU it reads or
+        writes host memory directly (`pcie.copy_rows`). Indices must be on the pools' device."""
+        hi = max(last, layer + 1)
+        pcie.copy_rows(to_host, self._layers(layer, hi), device.kv[:, layer:hi], host_idx, device_idx)
 
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
-        With `page_first` pages long enough for DMA (`pcie.uses_dma`), the first callable moves every layer
-        and the others do nothing."""
-        if device.device.type == "cuda" and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx):
+        On a GPU a backup moves every layer in the first callable (nothing waits for its layers one by one),
+        by DMA where `pcie.uses_dma` says so (then a load does too), else by one kernel; the others do nothing."""
+        on_gpu = device.device.type == "cuda"
+        if on_gpu and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx):
             move = pcie.dma_to_host if to_host else pcie.dma_to_device
 
             def whole() -> None:  # the runs are cut on the CPU: no index goes to the device
-                move(self.kv, device.kv, host_idx, device_idx, self._helper_stream)
+                move(self.kv, device.kv, host_idx, device_idx, self._helpers[to_host])
 
             return [whole] + [_nothing] * (self.num_layers - 1)
 
         slots = _SlotIndices(host_idx, device_idx, device.device)
+        if on_gpu and to_host:
+
+            def every_layer() -> None:
+                self.copy_layer(to_host, device, *slots.moved(), 0, self.num_layers)
+
+            return [every_layer] + [_nothing] * (self.num_layers - 1)
 
         def one(layer: int) -> None:
             self.copy_layer(to_host, device, *slots.moved(), layer)

@@ -10,7 +10,8 @@ Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures b
   scheduler's thread issues them. Where that library is not loaded, UVA does the copy. The whole job is one
   step: it gives up layer-by-layer overlap for bandwidth.
 * **GPU loads and stores through UVA** (everything else): pinned host memory has a device address, so a
-  kernel reads or writes the host pool directly, one launch per layer, whatever the page size or layout
+  kernel reads or writes the host pool directly, one launch per layer for a load (so that a prefill can wait
+  for its layers one by one) and one for every layer of a backup, whatever the page size or layout
   (SGLang's `kernel` I/O backend does the same with its own CUDA kernels). Where Triton is installed (it
   comes with CUDA builds of torch) the kernel runs on `COPY_PROGRAMS` thread blocks only, so a prefill can
   compute on the other SMs while its prefix loads layer by layer; each block moves `COPY_TILE` rows at a
@@ -158,32 +159,48 @@ if triton is not None:
 
     @triton.jit
     def _copy_rows_kernel(
-        src, dst, src_rows, dst_rows, n, src_kind, src_row, dst_kind, dst_row, ROW: tl.constexpr, TILE: tl.constexpr
+        src,
+        dst,
+        src_rows,
+        dst_rows,
+        n,
+        layers,
+        src_kind,
+        src_layer,
+        src_row,
+        dst_kind,
+        dst_layer,
+        dst_row,
+        ROW: tl.constexpr,
+        TILE: tl.constexpr,
     ):
-        """dst[kind, dst_rows[i]] = src[kind, src_rows[i]] for K and V (grid axis 1), rows of ROW elements,
-        TILE rows per block at a time."""
+        """dst[kind, layer, dst_rows[i]] = src[kind, layer, src_rows[i]] for K and V (grid axis 1) and every layer,
+        rows of ROW elements, TILE rows per block at a time."""
         cols = tl.arange(0, ROW)
         kind = tl.program_id(1)
-        for start in range(tl.program_id(0) * TILE, n, tl.num_programs(0) * TILE):
-            i = start + tl.arange(0, TILE)
-            inside = i < n
-            s = tl.load(src_rows + i, mask=inside, other=0).to(tl.int64)
-            d = tl.load(dst_rows + i, mask=inside, other=0).to(tl.int64)
-            rows = tl.load(src + kind * src_kind + s[:, None] * src_row + cols[None, :], mask=inside[:, None])
-            tl.store(dst + kind * dst_kind + d[:, None] * dst_row + cols[None, :], rows, mask=inside[:, None])
+        for layer in range(layers):
+            src_base = src + kind * src_kind + layer * src_layer
+            dst_base = dst + kind * dst_kind + layer * dst_layer
+            for start in range(tl.program_id(0) * TILE, n, tl.num_programs(0) * TILE):
+                i = start + tl.arange(0, TILE)
+                inside = i < n
+                s = tl.load(src_rows + i, mask=inside, other=0).to(tl.int64)
+                d = tl.load(dst_rows + i, mask=inside, other=0).to(tl.int64)
+                rows = tl.load(src_base + s[:, None] * src_row + cols[None, :], mask=inside[:, None])
+                tl.store(dst_base + d[:, None] * dst_row + cols[None, :], rows, mask=inside[:, None])
 
 
-def copy_layer(to_host: bool, host_layer: torch.Tensor, device_layer: torch.Tensor, host_idx, device_idx) -> None:
-    """One layer's K and V, `[2, tokens, heads, head_dim]` views of the pools, moved row by row (a row is one
-    token's heads): by the bounded Triton kernel where it can run, else by a torch index kernel."""
-    src, dst, src_idx, dst_idx = (device_layer, host_layer, device_idx, host_idx)
+def copy_rows(to_host: bool, host_layers: torch.Tensor, device_layers: torch.Tensor, host_idx, device_idx) -> None:
+    """K and V of a range of layers, `[2, layers, tokens, heads, head_dim]` views of the pools, moved row by row
+    (a row is one token's heads in one layer) in one launch: by the bounded Triton kernel where it can run, else
+    by a torch index kernel. Indices must be on the pools' device."""
+    src, dst, src_idx, dst_idx = (device_layers, host_layers, device_idx, host_idx)
     if not to_host:
         src, dst, src_idx, dst_idx = dst, src, dst_idx, src_idx
-    row = src.shape[2] * src.shape[3]
+    row = src.shape[3] * src.shape[4]
     if triton is None or not dst.is_cuda or row & (row - 1):  # the kernel moves power-of-two rows
-        dst[:, dst_idx] = src[:, src_idx]
+        dst[:, :, dst_idx] = src[:, :, src_idx]
         return
-    assert src.stride(2) == dst.stride(2) == src.shape[3] and src.stride(3) == dst.stride(3) == 1
-    grid = (COPY_PROGRAMS, 2)
-    strides = (src.stride(0), src.stride(1), dst.stride(0), dst.stride(1))
-    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, len(src_idx), *strides, ROW=row, TILE=COPY_TILE)
+    assert src.stride(3) == dst.stride(3) == src.shape[4] and src.stride(4) == dst.stride(4) == 1
+    grid, strides = (COPY_PROGRAMS, 2), (*src.stride()[:3], *dst.stride()[:3])
+    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, len(src_idx), src.shape[1], *strides, ROW=row, TILE=COPY_TILE)

@@ -57,3 +57,12 @@ def test_bounds_and_ratios_follow_from_the_stored_times(tmp_path, monkeypatch):
     assert mean["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - (floor + copy)))
     assert mean["cut_vs_overlap"] == pytest.approx((l1 - got) / (l1 - overlap))
     assert result["later_mean_ttft_ms"] == pytest.approx({"L1 only": l1, "L1 + L2": got, "all on device": floor})
+
+
+def test_repeats_take_turns_and_a_round_counts_its_median(tmp_path):
+    result = bench(tmp_path, "--repeats", "3")
+    samples = result["ttft_samples_ms"]
+    assert set(samples) == set(result["runs"]) and all(len(s) == 3 for s in samples.values())
+    for label, key in e2e_ttft.TTFT_KEYS.items():
+        for i, row in enumerate(result["rounds"]):
+            assert row[key] == sorted(repeat[i] for repeat in samples[label])[1], f"{label} round {i}: the median"
