@@ -8,7 +8,8 @@ runs, or UVA index kernels per layer). Pages are scattered (random page order on
 churn. The ceiling is a plain `copy_` of the same byte count between one contiguous device tensor and one
 pinned host tensor. Two figures each: one batch on an idle GPU (its CPU-side preparation shows), and 8 batches
 back to back (the preparation of one overlaps the copy of the one before, as when a scheduler writes many
-nodes through). Target: backup and load at page size 64 >= 0.9x the ceiling.
+nodes through). Targets (issue 17): `page_first` page 64 >= 0.95x the ceiling both ways, one batch and 8 in a
+row; `layer_first` loads >= 0.85x.
 
     PYTHONPATH=. python -m bench.copy_bandwidth          # on a CUDA machine
 """

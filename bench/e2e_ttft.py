@@ -56,7 +56,7 @@ REALISTIC = {
     "max_total_tokens": 12288,
     "hicache_ratio": 4.0,
     "page_size": 64,
-    "host_layout": "page_first",  # whole pages per copy: ~5x the bandwidth of layer_first (BENCHMARKS.md)
+    "host_layout": "page_first",  # SGLang's default; --hicache-mem-layout layer_first loads layer by layer
 }
 SMOKE = {  # lab/presets.WORKLOAD's world (the default tiny model, 2 layers, pages of 4): it outgrows the device pool
     "num_layers": 2,
