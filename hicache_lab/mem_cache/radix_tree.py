@@ -66,9 +66,6 @@ class TreeNode:
     def backuped(self) -> bool:
         return self.host_value is not None
 
-    def __lt__(self, other: TreeNode) -> bool:  # heap order: least recently used first, then oldest id
-        return (self.last_access, self.id) < (other.last_access, other.id)
-
 
 def node_hashes(node: TreeNode, page_size: int) -> list[str]:
     """`node`'s page hashes, computed (with those of its ancestors that lack theirs) on first use."""
@@ -83,21 +80,26 @@ def node_hashes(node: TreeNode, page_size: int) -> list[str]:
     return (chain[0] if chain else node).hashes
 
 
+def lru_order(node: TreeNode) -> tuple[int, int]:
+    """Eviction order: least recently used first, then the oldest node (ids are unique: no two nodes tie)."""
+    return node.last_access, node.id
+
+
 def evict_lru(leaves: set[TreeNode], num_tokens: int, evict_leaf: Callable[[TreeNode], int]) -> int:
     """Evict least recently used nodes of `leaves` (one of the leaf sets a `RadixTree` keeps) with `evict_leaf`
     (which returns the tokens it freed) until `num_tokens` are freed; a parent the eviction made a leaf joins.
     An entry that left the set meanwhile is skipped."""
-    heap = list(leaves)
+    heap = [(lru_order(n), n) for n in leaves]  # the keys are tuples of ints: compared in C
     heapq.heapify(heap)
     freed = 0
     while freed < num_tokens and heap:
-        node = heapq.heappop(heap)
+        node = heapq.heappop(heap)[1]
         if node not in leaves:
             continue
         parent = node.parent
         freed += evict_leaf(node)
         if parent in leaves:
-            heapq.heappush(heap, parent)
+            heapq.heappush(heap, (lru_order(parent), parent))
     return freed
 
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.lab.conformance import replay
 from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
+from hicache_lab.mem_cache import radix_tree
 from hicache_lab.mem_cache.cache_controller import HiCacheController
 from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
-from hicache_lab.mem_cache.radix_tree import TreeNode
 
 pytestmark = pytest.mark.skipif(
     sglang_version() != SGLANG_VERSION,
@@ -105,8 +105,8 @@ def test_seeded_sequences_answer_as_sglang_does(groups, tmp_path):
     assert seeded_differences(groups, tmp_path) == []
 
 
-def _evict_oldest_first(self, other) -> bool:  # TreeNode.__lt__ with its key's two fields swapped
-    return (self.id, self.last_access) < (other.id, other.last_access)
+def _evict_oldest_first(node) -> tuple[int, int]:  # radix_tree.lru_order with its key's two fields swapped
+    return node.id, node.last_access
 
 
 def _pop_acks_newest_first(self, queue, what, count):  # HiCacheController.pop_acks with queue.pop() for pop(0)
@@ -127,14 +127,14 @@ def _count_own_inserts_again(self, key, value, inserted_len=0):  # HiRadixCache.
 
 @pytest.mark.parametrize("change", ["lru_order", "load_back_threshold", "ack_order", "own_insert_hits"])
 def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monkeypatch):
-    """Each change is one line of the lab: evict by node age instead of last use (radix_tree.TreeNode.__lt__), load
+    """Each change is one line of the lab: evict by node age instead of last use (radix_tree.lru_order), load
     back from 11 tokens instead of SGLang's 10 (config.CacheConfig.load_back_threshold; the same as `<` made `<=`
     in HiRadixCache.load_back), consume acks newest first (cache_controller.HiCacheController.pop_acks), count a
     hit again when a request inserts what its own prefill inserted (SGLang 0.5.18's behaviour, HiRadixCache._insert
     with `inserted_len` ignored)."""
     overrides = {}
     if change == "lru_order":
-        monkeypatch.setattr(TreeNode, "__lt__", _evict_oldest_first)
+        monkeypatch.setattr(radix_tree, "lru_order", _evict_oldest_first)
     elif change == "load_back_threshold":
         overrides["load_back_threshold"] = 11
     elif change == "own_insert_hits":
