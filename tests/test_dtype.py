@@ -3,10 +3,6 @@ its reference, and a float32 run never reads a bf16 run's stored pages."""
 
 from __future__ import annotations
 
-import ctypes
-import sys
-import types
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,10 +13,6 @@ from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.rank import build_stage
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
-from hicache_lab.mem_cache.hicache_storage import FileStorage, MooncakeStorage, storage_suffix
-from hicache_lab.mem_cache.memory_pool import DeviceKVPool
-from hicache_lab.mem_cache.memory_pool_host import HostKVPool
-from hicache_lab.mem_cache.radix_tree import page_hashes
 from hicache_lab.model import TinyModel
 
 SMALL = f"{WORKLOAD} --num-layers 2 --collective-timeout 30"
@@ -77,43 +69,6 @@ def test_an_unknown_dtype_names_the_flag():
         with_dtype("bfloat16", "--tp 2 --check-outputs")
 
 
-def bf16_host(layout="page_first") -> HostKVPool:
-    device = DeviceKVPool(16, num_layers=2, num_heads=2, head_dim=4, device="cpu", dtype=torch.bfloat16)
-    host = HostKVPool(32, device, layout)
-    host.kv.copy_(torch.randn_like(host.kv))
-    return host
-
-
-def pages(count, page_size=4):
-    return [torch.arange(i * page_size, (i + 1) * page_size) for i in range(count)]
-
-
-def test_bf16_pages_round_trip_exactly_through_the_file_store(tmp_path):
-    host, store = bf16_host(), FileStorage(tmp_path, "s")
-    hashes = page_hashes(tuple(range(12)), 4)
-    assert store.batch_set(hashes, host, pages(3)) == 3
-    assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 3
-    for src in pages(3):
-        assert torch.equal(host.page_data(src), host.page_data(src + 16))
-
-
-def test_a_float32_pool_reads_a_bf16_page_as_a_miss_not_as_data(tmp_path):
-    """Under their own keys the two dtypes never meet; a bf16 page under a float32 key is still a miss."""
-    suffix = {d: storage_suffix(ModelConfig(dtype=d), 0, 1, range(0, 2)) for d in ("float32", "bfloat16")}
-    assert suffix["float32"] != suffix["bfloat16"]
-    hashes = page_hashes(tuple(range(8)), 4)
-    FileStorage(tmp_path, suffix["bfloat16"]).batch_set(hashes, bf16_host(), pages(2))
-    device32 = DeviceKVPool(16, num_layers=2, num_heads=2, head_dim=4, device="cpu")
-    host32 = HostKVPool(32, device32, "page_first")
-    store32 = FileStorage(tmp_path, suffix["float32"])
-    assert store32.batch_exists(hashes) == 0 and store32.batch_get(hashes, host32, pages(2)) == 0
-    for path in tmp_path.glob(f"*_{suffix['bfloat16']}.bin"):  # the same bytes under the float32 keys
-        path.rename(path.with_name(path.name.replace(suffix["bfloat16"], suffix["float32"])))
-    assert store32.batch_exists(hashes) == 2, "the files are there"
-    assert store32.batch_get(hashes, host32, pages(2)) == 0, "and half a page's bytes are a miss"
-    assert not host32.kv.any(), "nothing written"
-
-
 def test_a_float32_run_beside_a_bf16_run_on_one_store_keeps_to_its_own_pages(tmp_path):
     """The bf16 run fills the store first. The float32 run on it writes its pages under other names (the bf16
     pages stay byte for byte), and hits and answers exactly as on an empty store."""
@@ -128,41 +83,6 @@ def test_a_float32_run_beside_a_bf16_run_on_one_store_keeps_to_its_own_pages(tmp
     assert len(list(store.iterdir())) == 2 * len(bf16_pages), "each run its own key set"
     tiers = ("cached_device", "cached_host", "cached_storage")
     assert [[r[t] for t in tiers] for r in shared["rounds"]] == [[r[t] for t in tiers] for r in alone["rounds"]]
-
-
-class FakeMooncakeStore:
-    """Mooncake's store in one process: puts copy registered bytes out by address, gets copy them back."""
-
-    def __init__(self):
-        self.objects: dict[str, bytes] = {}
-
-    def setup(self, *args) -> int:
-        return 0
-
-    def register_buffer(self, address: int, size: int) -> int:
-        return 0
-
-    def batch_put_from(self, keys, addresses, sizes) -> list[int]:
-        self.objects |= {k: ctypes.string_at(a, n) for k, a, n in zip(keys, addresses, sizes, strict=True)}
-        return [0] * len(keys)
-
-    def batch_get_into(self, keys, addresses, sizes) -> list[int]:
-        for key, address, size in zip(keys, addresses, sizes, strict=True):
-            ctypes.memmove(address, self.objects[key], size)
-        return [len(self.objects[k]) for k in keys]
-
-
-def test_bf16_pages_round_trip_exactly_through_mooncake_staging(monkeypatch):
-    module = types.SimpleNamespace(MooncakeDistributedStore=FakeMooncakeStore)
-    monkeypatch.setitem(sys.modules, "mooncake", types.ModuleType("mooncake"))
-    monkeypatch.setitem(sys.modules, "mooncake.store", module)
-    host = bf16_host()
-    store = MooncakeStorage("127.0.0.1:1", "http://127.0.0.1:2/metadata", "s", host.bytes_per_token * 4, batch_pages=2)
-    hashes = page_hashes(tuple(range(12)), 4)
-    assert store.batch_set(hashes, host, pages(3)) == 3  # two staging batches
-    assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 3
-    for src in pages(3):
-        assert torch.equal(host.page_data(src), host.page_data(src + 16))
 
 
 def test_bf16_weights_are_the_float32_weights_rounded():

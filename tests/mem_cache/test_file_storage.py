@@ -15,8 +15,8 @@ from hicache_lab.mem_cache.memory_pool_host import HostKVPool
 from hicache_lab.mem_cache.radix_tree import page_hashes
 
 
-def host_pool(layout="layer_first"):
-    device = DeviceKVPool(16, num_layers=2, num_heads=2, head_dim=4, device="cpu")
+def host_pool(layout="layer_first", dtype=torch.float32):
+    device = DeviceKVPool(16, num_layers=2, num_heads=2, head_dim=4, device="cpu", dtype=dtype)
     host = HostKVPool(32, device, layout)
     host.kv.copy_(torch.randn_like(host.kv))
     return host
@@ -90,3 +90,29 @@ def test_a_fifo_under_a_pages_name_is_a_miss_not_a_blocking_read(tmp_path):
     store.batch_set(hashes[:1], host, pages(1))
     os.mkfifo(tmp_path / f"{hashes[1]}_s.bin")  # nobody ever writes to it: a blocking open would wait forever
     assert store.batch_get(hashes, host, [p + 16 for p in pages(2)]) == 1
+
+
+def test_bf16_pages_round_trip_exactly_through_the_file_store(tmp_path):
+    host, store = host_pool("page_first", torch.bfloat16), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(12)), 4)
+    assert store.batch_set(hashes, host, pages(3)) == 3
+    assert store.batch_get(hashes, host, [p + 16 for p in pages(3)]) == 3
+    for src in pages(3):
+        assert torch.equal(host.page_data(src), host.page_data(src + 16))
+
+
+def test_a_float32_pool_reads_a_bf16_page_as_a_miss_not_as_data(tmp_path):
+    """Under their own keys the two dtypes never meet; a bf16 page under a float32 key is still a miss."""
+    suffix = {d: storage_suffix(ModelConfig(dtype=d), 0, 1, range(0, 2)) for d in ("float32", "bfloat16")}
+    assert suffix["float32"] != suffix["bfloat16"]
+    hashes = page_hashes(tuple(range(8)), 4)
+    FileStorage(tmp_path, suffix["bfloat16"]).batch_set(hashes, host_pool("page_first", torch.bfloat16), pages(2))
+    host32 = host_pool("page_first")
+    host32.kv.zero_()
+    store32 = FileStorage(tmp_path, suffix["float32"])
+    assert store32.batch_exists(hashes) == 0 and store32.batch_get(hashes, host32, pages(2)) == 0
+    for path in tmp_path.glob(f"*_{suffix['bfloat16']}.bin"):  # the same bytes under the float32 keys
+        path.rename(path.with_name(path.name.replace(suffix["bfloat16"], suffix["float32"])))
+    assert store32.batch_exists(hashes) == 2, "the files are there"
+    assert store32.batch_get(hashes, host32, pages(2)) == 0, "and half a page's bytes are a miss"
+    assert not host32.kv.any(), "nothing written"

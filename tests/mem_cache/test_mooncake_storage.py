@@ -57,8 +57,9 @@ def storage_tokens(summary) -> int:
     return sum(r["cached_storage"] for r in summary["rounds"])
 
 
-def test_pages_come_back_from_mooncake_with_exact_outputs(tmp_path):
-    summary = run_in_namespace(tmp_path)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pages_come_back_from_mooncake_with_exact_outputs(dtype, tmp_path):
+    summary = run_in_namespace(tmp_path, f"--dtype {dtype}")
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
     bound = sum(r["upper_bound_hit_rate"] * r["prompt_tokens"] for r in summary["rounds"])
     assert storage_tokens(summary) == pytest.approx(bound)  # flushed caches: every hit came from Mooncake
