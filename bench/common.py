@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
@@ -44,6 +45,20 @@ def machine_info(**extra) -> dict:
         "cpu_count": os.cpu_count(),
         **extra,
     }
+
+
+def code_state() -> dict:
+    """The commit measured and the package's files changed since it (a result depends on them too)."""
+
+    def git(*args: str) -> str:
+        try:
+            done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=RESULTS.parents[1], timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return ""
+        return done.stdout if done.returncode == 0 else ""
+
+    changed = [line[3:] for line in git("status", "--porcelain", "--", "hicache_lab", "bench").splitlines()]
+    return {"commit": git("log", "-1", "--format=%h").strip() or None, "changed": changed}
 
 
 def usable_cpus() -> int | None:

@@ -2,7 +2,7 @@
 
 A randomly initialised ~0.9B-parameter model (16 layers, hidden 2048, MLP 5632, 32k vocabulary; fp32, or bf16
 with `--dtype bfloat16`) serves long multi-turn conversations whose history outgrows the device pool. The same
-workload and seed run three ways (each `--repeats` times, in turn; a round's TTFT is the median):
+workload and seed run three ways (`--repeats` times, in turn; ratios within a repeat, then the median):
 
 * **L1 only** - later rounds recompute the history that the device pool had to evict;
 * **L1 + L2** - they load it back from host memory instead;
@@ -81,11 +81,24 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="a tiny model and workload: a CPU check in seconds")
     add_run_flags(parser, **(SMOKE if smoke else REALISTIC))
-    parser.add_argument("--later-from", type=int, default=2, help="first round counted as 'later'")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (a round's median counts)")
+    parser.add_argument(
+        "--later-from", type=int, default=2, help="rounds count from 0; the means (the headline) cover this one on"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="times the three configurations run, in turn (at least 1); each figure is the median over repeats, "
+        "every ratio computed within one repeat",
+    )
     parser.add_argument("--copy-repeats", type=int, default=5, help="timed copies per round (their median counts)")
     parser.add_argument("--out", type=Path, default=RESULTS / "e2e_ttft.json", help="where the JSON result goes")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_hierarchical_cache:
+        parser.error("--enable-hierarchical-cache: the bench runs with and without the host tier itself")
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: give at least 1")
+    return args
 
 
 def holds_everything(cfg: RunConfig) -> int:
@@ -206,13 +219,13 @@ def format_table(rows: list[dict], mean: dict) -> str:
     return "\n".join(lines)
 
 
-def measure(configs: dict[str, RunConfig], repeats: int) -> tuple[dict[str, list[dict]], dict[str, list[list[float]]]]:
-    """Each run's rounds (report.round_rows) and every repeat's TTFT per round. The runs take turns, `repeats`
-    times, and a round's `ttft_ms` becomes the median of its repeats (on a GPU the same run varies by tens of
-    percent from one repeat to the next); its other columns are the last repeat's. A failed run, or a floor
-    that missed, stops the bench."""
-    rounds, samples = {}, {label: [] for label in configs}
+def measure(configs: dict[str, RunConfig], repeats: int) -> list[dict[str, list[dict]]]:
+    """Each repeat's rounds of every run (report.round_rows): the runs take turns, `repeats` times (on a GPU
+    the same run varies by tens of percent from one repeat to the next). A failed run, or a floor that missed,
+    stops the bench."""
+    measured = []
     for repeat in range(repeats):
+        rounds = {}
         for label, cfg in configs.items():
             print(
                 f"=== {label} (device pool {cfg.cache.max_total_tokens} tokens), repeat {repeat + 1} of {repeats} ==="
@@ -220,17 +233,26 @@ def measure(configs: dict[str, RunConfig], repeats: int) -> tuple[dict[str, list
             summary = run(cfg, verbose=True)
             check(summary["completed"], f"{label}: the run failed: {summary['error']}")
             rounds[label] = summary["rounds"]
-            samples[label].append([row["ttft_ms"] for row in summary["rounds"]])
         for row in rounds["all on device"]:  # the floor holds everything, or it is no floor
             check(
                 math.isclose(row["hit_rate"], row["upper_bound_hit_rate"]),
                 f"all on device, round {row['round']}: hit rate {row['hit_rate']:.1%} under its bound "
                 f"{row['upper_bound_hit_rate']:.1%}: {configs['all on device'].cache.max_total_tokens} tokens evicted",
             )
-    for label, rows in rounds.items():
-        for i, row in enumerate(rows):
-            row["ttft_ms"] = statistics.median(ttfts[i] for ttfts in samples[label])
-    return rounds, samples
+        measured.append(rounds)
+    return measured
+
+
+def median_of(tables: list):
+    """The median, field by field, of equally shaped rows (or row lists) from each repeat; None stays None."""
+    if isinstance(tables[0], list):
+        return [median_of([t[i] for t in tables]) for i in range(len(tables[0]))]
+    merged = {}
+    for field, first in tables[0].items():
+        values = [t[field] for t in tables]
+        numeric = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+        merged[field] = statistics.median(values) if numeric else first
+    return merged
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -240,22 +262,30 @@ def main(argv: list[str] | None = None) -> dict:
     check(p.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
     check(not base.workload.trace_file, "conversations only: the all-on-device pool is sized from their lengths")
     configs = run_configs(base)
-    rounds, samples = measure(configs, args.repeats)
+    measured = measure(configs, args.repeats)
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
-    sizes = [loaded_tokens(r) * bytes_per_token for r in rounds["L1 + L2"]]
-    rows = round_table(rounds, time_copies(sizes, p.device, args.copy_repeats), bytes_per_token)
-    mean = later_mean(rows, args.later_from)
-    print(f"\n{m.dtype}, KV {bytes_per_token:,} bytes per token; TTFT per round and its bounds:")
+    sizes = sorted({loaded_tokens(r) * bytes_per_token for rounds in measured for r in rounds["L1 + L2"]})
+    copy_ms = dict(zip(sizes, time_copies(sizes, p.device, args.copy_repeats), strict=True))
+    repeats = []
+    for rounds in measured:  # each repeat against the copy of what it loaded: ratios never mix repeats
+        times = [copy_ms[loaded_tokens(r) * bytes_per_token] for r in rounds["L1 + L2"]]
+        rows = round_table(rounds, times, bytes_per_token)
+        repeats.append({"rounds": rows, "later_mean": later_mean(rows, args.later_from)})
+    rows, mean = median_of([r["rounds"] for r in repeats]), median_of([r["later_mean"] for r in repeats])
+    print(f"\n{m.dtype}, KV {bytes_per_token:,} bytes per token; TTFT per round and its bounds (median of repeats):")
     print(format_table(rows, mean))
+    if len(repeats) > 1:
+        cuts = [r["later_mean"]["cut_vs_serial"] for r in repeats]
+        print("cut / serial bound of each repeat: " + ", ".join("n/a" if c is None else f"{c:.2f}" for c in cuts))
     gpu = torch.cuda.get_device_name() if p.device == "cuda" else None
     result = {
         "machine": machine_info(gpu=gpu, device=p.device, dtype=m.dtype),
-        "workload": SMOKE if args.smoke else REALISTIC,
+        "preset": SMOKE if args.smoke else REALISTIC,
         "config": dataclasses.asdict(base),
         "kv_bytes_per_token": bytes_per_token,
         "all_on_device_tokens": configs["all on device"].cache.max_total_tokens,
-        "runs": rounds,
-        "ttft_samples_ms": samples,
+        "runs": measured,
+        "repeats": repeats,
         "rounds": rows,
         "later_from": args.later_from,
         "later_mean": mean,

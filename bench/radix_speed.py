@@ -45,7 +45,6 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.common import RESULTS, machine_info, usable_cpus, write_csv
+from bench.common import RESULTS, code_state, machine_info, usable_cpus, write_csv
 from bench.radix_profile import profile_lab
 from bench.radix_replay import OPERATIONS, KeyStream, bench_page_size
 from bench.radix_sglang import probe_sglang
@@ -200,15 +199,6 @@ def print_details(details: dict[int, dict], requests: int) -> None:
         )
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def machine_record() -> dict:
     """The keys radix_speed.json has always recorded of the machine, and the installed sglang (None: none)."""
     return machine_info(
@@ -218,7 +208,8 @@ def machine_record() -> dict:
         processor=platform.processor(),
         machine=platform.machine(),
         cpus_usable=usable_cpus() or os.cpu_count(),
-        git_commit=git_commit(),
+        git_commit=code_state()["commit"],
+        changed=code_state()["changed"],
         date_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     )
 
@@ -257,7 +248,9 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     write_csv(out_dir / "radix_speed.csv", rows)
     if profiles:
-        (out_dir / "radix_profile.txt").write_text(f"# {git_commit()[:12]}\n\n" + "\n".join(profiles))
+        code = code_state()
+        header = f"# {code['commit']}" + (f" with changes to {', '.join(code['changed'])}" if code["changed"] else "")
+        (out_dir / "radix_profile.txt").write_text(header + "\n\n" + "\n".join(profiles))
         print(f"wrote {out_dir / 'radix_profile.txt'}")
     elapsed = time.perf_counter() - start
     result = {**report(args, cfg, rows, details, len(sequences)), "elapsed_s": round(elapsed, 2)}

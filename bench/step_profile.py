@@ -35,12 +35,11 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, check, machine_info, ratio, usable_cpus, write_csv
+from bench.common import RESULTS, check, code_state, machine_info, ratio, usable_cpus, write_csv
 from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
@@ -149,17 +148,6 @@ def csv_rows(pp: int, tiers: str, result: dict) -> list[dict]:
     return rows
 
 
-def code_state() -> dict:
-    """The commit measured and the package's files changed since it (the numbers depend on them)."""
-
-    def git(*args: str) -> str:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        return done.stdout if done.returncode == 0 else ""
-
-    changed = [line[3:] for line in git("status", "--porcelain", "--", "hicache_lab").splitlines()]
-    return {"commit": git("log", "-1", "--format=%h").strip() or None, "changed": changed}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser)
@@ -167,6 +155,8 @@ def main() -> None:
     parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS, help="cache tiers of each run")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
     args = parser.parse_args()
+    if args.pp != 1 or args.enable_hierarchical_cache:
+        parser.error("--pp and --enable-hierarchical-cache are set per run here: give --pp-sizes and --tiers instead")
     base = config_from_args(args)
     started = time.perf_counter()
     report = {

@@ -53,7 +53,8 @@ FLAGS = [
         str,
         f"number format of the weights, activations and KV pools: {', '.join(DTYPES)}. SGLang serves bfloat16: "
         "half the bytes of KV per token, so the pools take half the memory, --hicache-size holds twice the tokens "
-        "and every copy moves half the bytes. Logits stay float32, so greedy sampling is stable",
+        "and every copy moves half the bytes. Norms, RoPE, softmax and the logits stay float32; --check-outputs "
+        "then allows a logit error of 0.25 (float32: 1e-3) and is refused at --tp above 1",
     ),
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
     ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),

@@ -166,7 +166,9 @@ class StageLoop:
     def _forward(self, batch: Batch) -> None:
         n, hidden_size = batch.num_tokens, self.model.cfg.hidden_size
         if self.pp_rank == 0:
-            hidden = self.model.embed(batch.forward.tokens) if n else torch.zeros(0, hidden_size)
+            hidden = (
+                self.model.embed(batch.forward.tokens) if n else torch.zeros(0, hidden_size, dtype=self.model.dtype)
+            )
         else:
             hidden = self._recv_hidden()
             # Like SGLang, a later stage reads the hidden states with its *own* token count.

@@ -61,18 +61,20 @@ class HostKVPool:
         kv = self._kv_for_kernels
         return kv[:, lo:hi] if self.layout == "layer_first" else kv[:, :, lo:hi].transpose(1, 2)
 
-    def copy_layer(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int, last: int = 0) -> None:
-        """K and V of layers [layer, max(last, layer + 1)) between the pools by one kernel; on a GPU it reads or
-        writes host memory directly (`pcie.copy_rows`). Indices must be on the pools' device."""
-        hi = max(last, layer + 1)
-        pcie.copy_rows(to_host, self._layers(layer, hi), device.kv[:, layer:hi], host_idx, device_idx)
+    def copy_layer(
+        self, to_host: bool, device: DeviceKVPool, host_idx, device_idx, layer: int, end: int | None = None
+    ) -> None:
+        """K and V of layers [layer, end) (default: `layer` alone) between the pools by one kernel; on a GPU it
+        reads or writes host memory directly (`pcie.copy_rows`). Indices must be on the pools' device."""
+        end = layer + 1 if end is None else end
+        pcie.copy_rows(to_host, self._layers(layer, end), device.kv[:, layer:end], host_idx, device_idx)
 
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
         On a GPU a backup moves every layer in the first callable (nothing waits for its layers one by one),
         by DMA where `pcie.uses_dma` says so (then a load does too), else by one kernel; the others do nothing."""
         on_gpu = device.device.type == "cuda"
-        if on_gpu and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx):
+        if on_gpu and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx, device_idx):
             move = pcie.dma_to_host if to_host else pcie.dma_to_device
 
             def whole() -> None:  # the runs are cut on the CPU: no index goes to the device

@@ -5,10 +5,10 @@ Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures b
 * **DMA of slot runs** (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a host page
   are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The device side of a run
   is gathered into the host layout (or scattered from it) on a helper stream by a strided copy, so the gather
-  of run r+1 overlaps the DMA of run r. The DMAs go straight to the CUDA runtime
-  (`cudaMemcpyAsync` through ctypes): a third of `copy_`'s CPU time per call, which matters because the
-  scheduler's thread issues them. Where that library is not loaded, UVA does the copy. The whole job is one
-  step: it gives up layer-by-layer overlap for bandwidth.
+  of run r+1 overlaps the DMA of run r. The DMAs go straight to the CUDA runtime (`cudaMemcpyAsync` through
+  ctypes): less CPU time per call than `copy_` (measured on an H200: about 14 against 17 µs), which matters
+  because the scheduler's thread issues them. Where that library is not loaded, UVA does the copy. The whole
+  job is one step: it gives up layer-by-layer overlap for bandwidth.
 * **GPU loads and stores through UVA** (everything else): pinned host memory has a device address, so a
   kernel reads or writes the host pool directly, one launch per layer for a load (so that a prefill can wait
   for its layers one by one) and one for every layer of a backup, whatever the page size or layout
@@ -35,11 +35,12 @@ try:
 except ImportError:  # CPU builds of torch come without it
     triton = None
 
-# Runs whose K (or V) is shorter than this go by UVA. Measured on an H200 (BENCHMARKS.md): runs of 1 MiB by DMA
-# reached 0.67-0.70x of the PCIe ceiling where UVA reached 0.83-0.90x; runs of 4 MiB by DMA 0.88-0.95x.
+# Copies whose runs (contiguous on both sides) average less than this for K (or V) go by UVA. Measured on an
+# H200 (BENCHMARKS.md): runs of 1 MiB by DMA reached 0.67-0.70x of the PCIe ceiling where UVA reached
+# 0.83-0.90x; runs of 4 MiB by DMA 0.85-0.95x.
 DMA_MIN_RUN_BYTES = 4 << 20
 # Thread blocks a UVA copy may occupy (an H200 has 132 SMs), and rows each moves at a time. Measured there
-# (BENCHMARKS.md): 16 blocks let a prefill finish in 1.1-1.3x max(compute, copy) while its prefix loads; one
+# (BENCHMARKS.md): 16 blocks let a prefill finish in 0.81-0.97x of compute + copy while its prefix loads; one
 # row at a time they loaded at 0.65x of the PCIe ceiling, 4 rows at a time at 0.86x (8 and 16: no better).
 COPY_PROGRAMS = 16
 COPY_TILE = 4
@@ -65,12 +66,12 @@ def device_alias(host: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(_CudaArray(host.view(as_int), typestr), device="cuda").view(host.dtype)
 
 
-def uses_dma(layout: str, bytes_per_token: int, host_idx: torch.Tensor) -> bool:
-    """True when a copy of these host slots is best done as DMA of slot runs (see the module docstring)."""
+def uses_dma(layout: str, bytes_per_token: int, host_idx: torch.Tensor, device_idx: torch.Tensor) -> bool:
+    """True when a copy between these slots is best done as DMA of slot runs (see the module docstring): their
+    runs contiguous on both sides are, on average, `DMA_MIN_RUN_BYTES` or longer for K (or V) alone."""
     if layout != "page_first" or len(host_idx) == 0 or _cuda_runtime() is None:
         return False
-    runs = int(np.count_nonzero(np.diff(host_idx.numpy()) != 1)) + 1
-    return len(host_idx) * bytes_per_token / (2 * runs) >= DMA_MIN_RUN_BYTES
+    return len(host_idx) * bytes_per_token / (2 * len(runs(host_idx, device_idx))) >= DMA_MIN_RUN_BYTES
 
 
 def runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -86,13 +87,13 @@ def runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, i
 def _cuda_runtime() -> ctypes.CDLL | None:
     """The CUDA runtime library torch loaded (found in this process's memory map), or None."""
     try:
-        with open("/proc/self/maps") as maps:
-            path = next((line.split()[-1] for line in maps if "libcudart" in line), None)
-    except OSError:
+        with open("/proc/self/maps") as maps:  # address perms offset dev inode path (which may hold spaces)
+            fields = next((line.split(maxsplit=5) for line in maps if "libcudart" in line), None)
+        if fields is None or len(fields) < 6:
+            return None
+        runtime = ctypes.CDLL(fields[5].strip())
+    except OSError:  # no maps file, or a library that will not load: UVA does the copies
         return None
-    if path is None:
-        return None
-    runtime = ctypes.CDLL(path)
     runtime.cudaMemcpyAsync.argtypes = [
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -125,7 +126,7 @@ def dma_to_host(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device
     no index), then K and V by one DMA each. Indices come on the CPU."""
     copy = torch.cuda.current_stream()
     by_token = device_kv.transpose(1, 2)  # [2, tokens, layers, heads, head_dim], like the host pool
-    staged = _staging(host_kv, device_kv, len(host_idx))
+    staged = _staging(host_kv, device_kv, len(host_idx))  # on the copy stream, which is the last to use it
     helper.wait_stream(copy)  # the KV being backed up is ready on the copy stream
     offset = 0
     for h, d, n in runs(host_idx, device_idx):
@@ -135,7 +136,6 @@ def dma_to_host(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device
         for kind in (0, 1):
             _dma(host_kv[kind, h : h + n], staged[kind, offset : offset + n], copy)
         offset += n
-    staged.record_stream(copy)
 
 
 def dma_to_device(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device_idx, helper) -> None:
@@ -151,8 +151,7 @@ def dma_to_device(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, devi
         with torch.cuda.stream(helper):
             by_token[:, d : d + n].copy_(staged[:, offset : offset + n])
         offset += n
-    staged.record_stream(helper)
-    copy.wait_stream(helper)
+    copy.wait_stream(helper)  # staged, allocated on the copy stream, is free to reuse once the scatters are done
 
 
 if triton is not None:

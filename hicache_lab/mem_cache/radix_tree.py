@@ -290,7 +290,7 @@ class RadixTree:
         self._update_leaf(node.parent)
 
     def delete_leaf(self, node: TreeNode) -> None:
-        assert not node.children and node is not self.root
+        assert not node.children and node is not self.root and node.lock_ref == 0, "only an unlocked leaf goes"
         del node.parent.children[node.key[: self.page_size]]
         self.host_duplicates.pop(node.id, None)
         self.evictable_leaves.discard(node)
@@ -300,8 +300,9 @@ class RadixTree:
         self._update_leaf(node.parent)
 
     def _update_leaf(self, node: TreeNode) -> None:
-        """Put `node` in or out of the evictable leaf sets, from its own state and its children's."""
-        if node is self.root:
+        """Put `node` in or out of the evictable leaf sets, from its own state and its children's. A node no
+        longer in the tree (a release of host protection may reach one that was deleted) joins neither."""
+        if node is self.root or node.parent.children.get(node.key[: self.page_size]) is not node:
             return
         if node.value is None:
             self.evictable_leaves.discard(node)

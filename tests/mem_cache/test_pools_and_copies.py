@@ -64,7 +64,7 @@ def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
     src = (pages[:10, None] * 8 + torch.arange(8)).flatten()
     dst = (pages[10:20, None] * 16 + torch.arange(8)).flatten()
     back = (pages[20:30, None] * 8 + torch.arange(8)).flatten()
-    assert pcie.uses_dma(layout, device.bytes_per_token, dst) == (dma and layout == "page_first")
+    assert pcie.uses_dma(layout, device.bytes_per_token, dst, src) == (dma and layout == "page_first")
     engine.submit("write", CopyJob(host.copy_layers(True, device, dst, src), lambda: None)).synchronize()
     engine.submit("load", CopyJob(host.copy_layers(False, device, dst, back), lambda: None)).synchronize()
     assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])

@@ -22,8 +22,8 @@ def bench(tmp_path, *flags: str) -> dict:
 
 def test_three_runs_of_one_workload_and_no_copy_time_on_cpu(tmp_path):
     result = bench(tmp_path)
-    assert set(result["runs"]) == {"L1 only", "L1 + L2", "all on device"}
-    runs, rows = result["runs"], result["rounds"]
+    assert len(result["runs"]) == 1 and set(result["runs"][0]) == {"L1 only", "L1 + L2", "all on device"}
+    runs, rows = result["runs"][0], result["rounds"]
     assert [len(r) for r in runs.values()] == [len(rows)] * 3 == [result["config"]["workload"]["num_rounds"]] * 3
     for row, l1, l12, floor in zip(rows, runs["L1 only"], runs["L1 + L2"], runs["all on device"], strict=True):
         assert [row[k] for k in TTFT] == [l1["ttft_ms"], l12["ttft_ms"], floor["ttft_ms"]]
@@ -59,10 +59,19 @@ def test_bounds_and_ratios_follow_from_the_stored_times(tmp_path, monkeypatch):
     assert result["later_mean_ttft_ms"] == pytest.approx({"L1 only": l1, "L1 + L2": got, "all on device": floor})
 
 
-def test_repeats_take_turns_and_a_round_counts_its_median(tmp_path):
+def test_repeats_take_turns_and_each_figure_is_the_median_of_per_repeat_figures(tmp_path, monkeypatch):
+    monkeypatch.setattr(e2e_ttft, "time_copies", lambda sizes, device, repeats: [n / 1e4 for n in sizes])
     result = bench(tmp_path, "--repeats", "3")
-    samples = result["ttft_samples_ms"]
-    assert set(samples) == set(result["runs"]) and all(len(s) == 3 for s in samples.values())
+    runs, repeats = result["runs"], result["repeats"]
+    assert len(runs) == len(repeats) == 3 and all(set(r) == set(e2e_ttft.RUNS) for r in runs)
     for label, key in e2e_ttft.TTFT_KEYS.items():
         for i, row in enumerate(result["rounds"]):
-            assert row[key] == sorted(repeat[i] for repeat in samples[label])[1], f"{label} round {i}: the median"
+            ttfts = sorted(run[label][i]["ttft_ms"] for run in runs)
+            assert row[key] == ttfts[1], f"{label} round {i}: the median of the repeats"
+    for run, repeat in zip(runs, repeats, strict=True):  # a repeat's ratio uses its own TTFTs only
+        l1, got = (run[k][2]["ttft_ms"] for k in ("L1 only", "L1 + L2"))
+        bound = repeat["rounds"][2]["serial_bound_ms"]
+        assert bound == run["all on device"][2]["ttft_ms"] + repeat["rounds"][2]["copy_ms"]
+        assert repeat["rounds"][2]["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - bound))
+    cuts = sorted(r["later_mean"]["cut_vs_serial"] for r in repeats)
+    assert result["later_mean"]["cut_vs_serial"] == cuts[1], "the headline: the median repeat's ratio"
