@@ -57,7 +57,8 @@ def code_state() -> dict:
             return ""
         return done.stdout if done.returncode == 0 else ""
 
-    changed = [line[3:] for line in git("status", "--porcelain", "--", "hicache_lab", "bench").splitlines()]
+    code = ("hicache_lab", "bench", ":(exclude)bench/results")
+    changed = [line[3:] for line in git("status", "--porcelain", "--", *code).splitlines()]
     return {"commit": git("log", "-1", "--format=%h").strip() or None, "changed": changed}
 
 
