@@ -15,6 +15,12 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from ..managers.step_trace import read_trace  # noqa: E402
 from .conformance import Replay  # noqa: E402
 
+# One colour per tier in every figure: the tier's share of a hit, a run whose deepest tier it is, a tree node
+# that lives there. Nothing else is drawn in these three colours; other series take OTHER_COLORS.
+TIER_COLORS = {"device": "#4c72b0", "host": "#dd8452", "storage": "#55a868"}
+BOTH_TIERS_COLOR = "#8172b3"  # a tree node on the device with a host copy
+OTHER_COLORS = ("#333333", "#c44e52", "#937860", "#8c8c8c", "#da8bc3", "#ccb974")
+
 
 def _short(text: str, length: int) -> str:
     """`text`, cut to `length` characters with an ellipsis where it is longer."""
@@ -144,8 +150,11 @@ def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
     save_figure(fig, path)
 
 
-TIERS = (("cached_device", "device (L1)", "#4c72b0"), ("cached_host", "host (L2)", "#55a868"))
-TIERS += (("cached_storage", "storage (L3)", "#dd8452"),)
+TIERS = (
+    ("cached_device", "device (L1)", TIER_COLORS["device"]),
+    ("cached_host", "host (L2)", TIER_COLORS["host"]),
+    ("cached_storage", "storage (L3)", TIER_COLORS["storage"]),
+)
 
 
 def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
@@ -170,7 +179,7 @@ def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-NODE_COLORS = {"device": "#4c72b0", "device+host": "#55a868", "host": "#dd8452"}
+NODE_COLORS = {"device": TIER_COLORS["device"], "device+host": BOTH_TIERS_COLOR, "host": TIER_COLORS["host"]}
 
 
 def draw_tree(ax, tree, title: str = "", legend: bool = True) -> None:
