@@ -1,46 +1,56 @@
-"""What the cache's cross-rank agreement costs: whole scheduler steps by sync mode, then the primitives alone.
+"""What the cache's cross-stage agreement costs: whole scheduler steps by sync mode, then a modelled pipeline.
 
-All on CPU with gloo, every number a ratio of two things measured in the same run (nothing here passes or
-fails). Three parts:
+All on CPU with gloo; nothing here passes or fails. Every figure is a median over repeats with its min-max,
+per stage. Three parts:
 
 1. Scheduler step time by sync mode. The default demo model and workload (`RunConfig()`, L1 + L2, `--pp 2`,
    `--latency virtual`) run once per mode (`--sync off`, `legacy`, `fixed`); each rank's step times come from
    its trace (`ms` = schedule + forward of one step, hicache_lab/managers/scheduler_pp.py). `off` and `legacy`
    diverge and may crash, so every mode is averaged over the same steps: per rank, the first N steps where N is
-   the shortest run's step count (a crashed run's last, aborted step dropped). Virtual latency makes the three
-   runs schedule identical batches until the first divergence; the mean over those identical-batch steps is
-   printed too. Repeated `--repeats` times (mode order rotated each repeat); the tables show the median of the
-   per-run means and the ratios fixed/legacy and fixed/off.
-2. The relay vs a barrier vs an all-reduce over the PP group, PP = 2, 3, 4 (`--pp-sizes`), in worlds spawned
-   here (gloo, TCPStore on 127.0.0.1). The relay is `CacheSync._pp_sync` verbatim: blocking `dist.recv` from
-   the previous stage, `dist.isend` of a clone to the next, handles kept and waited once at the end (the
-   once-a-round drain, timed apart). Each op runs `--calls` times after `--warmup` calls, in `--blocks`
-   interleaved blocks; the tables give the median block's microseconds per call on rank 0 (first stage) and
-   on the last rank.
+   the shortest run's step count (a crashed run's last, aborted step dropped). The mean over the steps in which
+   the three runs scheduled identical batches is printed too. Repeated `--repeats` times (mode order rotated
+   each repeat): per rank and mode, the median and min-max of the per-run means, and the ratios fixed/legacy
+   and fixed/off per repeat. At `--tp 1` `legacy` and `off` run the same code (no collective at all), so their
+   difference is a direct reading of the noise.
+2. The agreement inside a modelled pipeline, PP = 2, 3, 4 (`--pp-sizes`), in worlds spawned here (gloo,
+   TCPStore on 127.0.0.1). Each stage runs `--warmup` + `--steps` steps shaped like the lab's event loop:
+   agree; receive the previous stage's activations (blocking); forward, a sleep of `--stage-ms` (a GPU
+   stage's CPU waits on its device); send the activations on (async); the last stage sends the tokens back
+   to stage 0, which takes step j's at the end of step j + PP - 1. The agreement is one of: `none`; `relay`
+   (`CacheSync._pp_sync` verbatim: stage 0 waits for its previous relay send (the bounded drain) and
+   isends, later stages wait in a blocking recv and pass it on); `barrier` or `all_reduce` (MIN) over the PP
+   group, the symmetric collectives. Two scenarios: `equal` stages, and `slow_last` (the last stage's forward
+   `--slow-factor` times longer). Per stage and `--blocks` block (variants interleaved in each block): the
+   wall time per step, the time per step in the agreement, and in the activations' receive. The pipeline's
+   step time is the last stage's; the agreement's own cost is a variant's step time minus `none`'s, block by
+   block.
 3. One combined [write, load] agreement vs two, over an attention group of 2 ranks (ranks 0 and 1 of the same
    worlds; the other ranks wait): one `dist.all_reduce(MIN)` of a 2-element int64 tensor vs two of 1-element
-   tensors, each including building the tensor and reading it back, as `CacheSync.agree_ack_counts` does.
-   SGLang batched its two (PR #33473) and measured +37% input throughput.
+   tensors, each including building the tensor and reading it back, as `CacheSync.agree_ack_counts` does;
+   `--calls` calls after `--warmup`, per block. SGLang batched its two (PR #33473) and measured +37% input
+   throughput.
 
-Run (about 3 minutes on 2 cores with the defaults; every `python -m hicache_lab run` flag applies to part 1,
+Run (about 5 minutes on 2 cores with the defaults; every `python -m hicache_lab run` flag applies to part 1,
 except `--sync`, replaced by `--sync-modes`):
 
     python -m bench.agreement_cost
-    python -m bench.agreement_cost --num-clients 8 --num-rounds 4 --repeats 5 --pp-sizes 2 4 --calls 5000
+    python -m bench.agreement_cost --skip-step-time --pp-sizes 2 3 --blocks 3     # parts 2-3 only, ~40 s
 
-How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective at all
-(it only lacks the relay): `legacy` and `off` run the same scheduler path, and fixed/legacy is the whole price
-of the relay (one per step: write, load and backup counts travel together). Step times include waiting for the
-previous stage, so the relay's cost shows on the later stage. Part 2: in a tight loop the first stage never
-waits (isend only; its relay cost is the isend) while the last stage pays the recv; the pipeline pays the last
-stage's number. A barrier or an all-reduce makes every stage wait for the slowest, which is also why neither
-may appear in the scheduler loop (stages are not in lockstep: hicache_lab/distributed/cache_sync.py). Part 3:
-the ratio separate/combined is what batching the two agreements saves per step. 2 cores shared by up to 4 gloo
-processes is a noisy, oversubscribed machine: compare ratios, not absolute microseconds, and read the per-repeat
-rows in the CSV for the spread.
+How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective (it
+only lacks the relay) and fixed/legacy is the whole price of the relay (one per step: write, load and backup
+counts travel together); step times include waiting for the other stage, so the price shows wherever the wait
+lands. Part 2: a later stage's wait in the relay's recv is mostly the stage waiting for the previous one to
+start the step, which it would wait for anyway on the activations (its activation wait shrinks by as much):
+that wait is not the relay's cost; the pipeline's step time over `none` is. A barrier or an all-reduce at the
+same point of every step does not deadlock (every stage calls it once a step), but it holds every stage there
+until the slowest arrives: stages in lockstep, and the later stages then wait again for the activations, so
+the stages' forwards no longer overlap. (Such a collective deadlocks where stages make different numbers of
+calls, e.g. only PP rank 0 calls it.) Part 3: the ratio separate/combined is what batching the two
+agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed machine:
+compare within a run, and read the min-max before a difference.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
-block of calls on one rank) and bench/results/agreement_cost.json (machine, arguments, medians and ratios).
+block on one stage) and bench/results/agreement_cost.json (machine, code, arguments, medians, min-max, ratios).
 """
 
 from __future__ import annotations
@@ -57,15 +67,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from bench.agreement_primitives import measure_primitives, report_primitives
-from bench.common import RESULTS, machine_info, ratio, usable_cpus, write_csv
+from bench.agreement_primitives import measure_primitives, report_primitives, spread
+from bench.common import RESULTS, code_state, machine_info, ratio, usable_cpus, write_csv
 from hicache_lab.config import SYNC_MODES, RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.managers.step_trace import read_trace
 
 BATCH_FIELDS = ("kind", "requests", "extend_tokens", "prefix_tokens")  # equal in two runs: same batch
-CSV_FIELDS = ["part", "pp", "variant", "rank", "repeat", "metric", "value", "unit", "n", "note"]
+CSV_FIELDS = ["part", "pp", "scenario", "variant", "rank", "repeat", "metric", "value", "unit", "n", "note"]
 
 
 # -- part 1: scheduler step time by sync mode -------------------------------------------------------------
@@ -131,6 +141,7 @@ def measure_step_times(base: RunConfig, modes: list[str], repeats: int) -> tuple
                         {
                             "part": "step_time",
                             "pp": base.parallel.pp,
+                            "scenario": "",
                             "variant": f"sync={sync}",
                             "rank": rank,
                             "repeat": repeat,
@@ -149,34 +160,48 @@ def measure_step_times(base: RunConfig, modes: list[str], repeats: int) -> tuple
 
 
 def report_step_times(means: dict, rows: list[dict], modes: list[str], world: int) -> dict:
-    summary = {}
-    print("\nmedian over repeats of the mean scheduler step time (ms); ratios of those medians")
+    summary: dict = {}
+    print("\nmean scheduler step time (ms): median [min-max] over repeats of each run's mean")
     ratio_heads = [f"fixed/{m}" for m in modes if m != "fixed"] if "fixed" in modes else []
-    header = f"{'window':13} {'rank':>5} {'steps':>6} " + " ".join(f"{m:>8}" for m in modes)
-    print(header + " " + " ".join(f"{h:>13}" for h in ratio_heads))
+    print(f"{'window':13} {'rank':>5} {'steps':>6} " + " ".join(f"{m:>20}" for m in modes))
     for window in ("common", "same_batches"):
         for rank in [*range(world), "all"]:
-            med = {m: statistics.median(means[rank][window][m]) for m in modes}
+            per_mode = {m: means[rank][window][m] for m in modes}
             steps = [r["n"] for r in rows if r["metric"] == f"mean_step_ms_{window}" and rank in (r["rank"], "all")]
             n = f"{min(steps)}" if steps else "-"
-            ratios = {h: ratio(med["fixed"], med[h.split("/")[1]]) for h in ratio_heads}
-            label = "last" if rank == world - 1 else rank
-            cells = " ".join(f"{med[m]:8.3f}" for m in modes)
-            print(
-                f"{window:13} {label if rank != 'all' else 'mean':>5} {n:>6} {cells} "
-                + " ".join(f"{r:13.3f}" for r in ratios.values())
+            label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
+            cells = " ".join(
+                f"{statistics.median(v):7.2f} [{min(v):5.2f}-{max(v):5.2f}]".rjust(20) for v in per_mode.values()
             )
-            summary.setdefault(window, {})[str(rank)] = {"median_mean_step_ms": med, "ratios": ratios}
-    print("per-repeat ratios (window common; the spread between repeats bounds what the medians can resolve):")
+            print(f"{window:13} {label:>5} {n:>6} {cells}")
+            entry = {m: spread(v) for m, v in per_mode.items()}
+            per_repeat = {
+                h: [ratio(f, o) for f, o in zip(per_mode["fixed"], per_mode[h.split("/")[1]], strict=True)]
+                for h in ratio_heads
+            }
+            summary.setdefault(window, {})[str(rank)] = {
+                "mean_step_ms": entry,
+                "per_repeat_ratios": per_repeat,
+                "ratios": {h: spread(v) for h, v in per_repeat.items()},
+            }
+    print("per-repeat ratios (window common): median [min-max]")
     for rank in [*range(world), "all"]:
         label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
-        per_repeat = means[rank]["common"]
-        spread = {
-            h: [ratio(f, o) for f, o in zip(per_repeat["fixed"], per_repeat[h.split("/")[1]], strict=True)]
-            for h in ratio_heads
-        }
-        print(f"  rank {label:>4}: " + "; ".join(f"{h} " + ", ".join(f"{r:.3f}" for r in v) for h, v in spread.items()))
-        summary["common"][str(rank)]["per_repeat_ratios"] = spread
+        ratios = summary["common"][str(rank)]["ratios"]
+        print(
+            f"  rank {label:>4}: "
+            + "; ".join(f"{h} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]" for h, v in ratios.items())
+        )
+    mean = summary["common"]["all"]["mean_step_ms"]
+    ranges = {m: (v["min"], v["max"]) for m, v in mean.items()}
+    overlap = max(lo for lo, _ in ranges.values()) <= min(hi for _, hi in ranges.values())
+    verdict = "overlap: the modes' differences are within run-to-run noise" if overlap else "do not all overlap"
+    print(
+        "  mean of ranks, min-max over repeats: "
+        + ", ".join(f"{m} {lo:.2f}-{hi:.2f}" for m, (lo, hi) in ranges.items())
+        + f" ms: {verdict}"
+    )
+    summary["common"]["verdict"] = {"ranges_overlap": overlap, "ranges_ms": ranges}
     print(
         "  common: per rank, the first N steps all runs completed (N = the shortest run's count, a crashed run's "
         "aborted last step dropped);\n  same_batches: the first steps in which all runs scheduled identical "
@@ -202,11 +227,14 @@ def main() -> None:
     add_run_flags(parser, pp=2, latency="virtual")
     parser.set_defaults(enable_hierarchical_cache=True)  # the host tier is what needs agreeing on
     parser.add_argument("--sync-modes", nargs="+", default=list(SYNC_MODES), choices=SYNC_MODES, help="part 1 modes")
-    parser.add_argument("--repeats", type=int, default=3, help="part 1: runs per sync mode (median reported)")
+    parser.add_argument("--repeats", type=int, default=4, help="part 1: runs per sync mode (median, min-max)")
     parser.add_argument("--pp-sizes", type=int, nargs="+", default=[2, 3, 4], help="parts 2-3: world sizes")
-    parser.add_argument("--calls", type=int, default=2000, help="parts 2-3: timed calls per op and block")
-    parser.add_argument("--warmup", type=int, default=200, help="parts 2-3: untimed calls before each block")
-    parser.add_argument("--blocks", type=int, default=3, help="parts 2-3: interleaved blocks per op (median)")
+    parser.add_argument("--steps", type=int, default=80, help="part 2: timed pipeline steps per variant and block")
+    parser.add_argument("--stage-ms", type=float, default=2.0, help="part 2: each stage's modelled forward (ms)")
+    parser.add_argument("--slow-factor", type=float, default=2.0, help="part 2, slow_last: the last stage's forward x")
+    parser.add_argument("--calls", type=int, default=500, help="part 3: timed calls per op and block")
+    parser.add_argument("--warmup", type=int, default=10, help="parts 2-3: untimed steps (calls) before each block")
+    parser.add_argument("--blocks", type=int, default=5, help="parts 2-3: interleaved blocks (median, min-max)")
     parser.add_argument("--skip-step-time", action="store_true", help="skip part 1")
     parser.add_argument("--skip-primitives", action="store_true", help="skip parts 2 and 3")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
@@ -214,7 +242,7 @@ def main() -> None:
     base = config_from_args(args)
     modes = list(dict.fromkeys(args.sync_modes))
     kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
-    rows, report = [], {"machine": machine_record(), "args": kept}
+    rows, report = [], {"machine": machine_record(), "code": code_state(), "args": kept}
     started = time.perf_counter()
     if not args.skip_step_time:
         w, p, c = base.workload, base.parallel, base.cache
@@ -230,16 +258,22 @@ def main() -> None:
         rows += step_rows
         report["step_time"] = {"workload": workload, **report_step_times(means, step_rows, modes, p.world_size)}
     if not args.skip_primitives:
-        print(f"\nparts 2-3: agreement primitives, worlds of {args.pp_sizes} ranks, {args.calls} calls x {args.blocks}")
+        print(
+            f"\nparts 2-3: worlds of {args.pp_sizes} ranks, {args.blocks} blocks; part 2: {args.steps} pipeline steps "
+            f"per variant, forward {args.stage_ms} ms; part 3: {args.calls} calls"
+        )
         world_args = {
+            "steps": args.steps,
+            "stage_ms": args.stage_ms,
+            "slow_factor": args.slow_factor,
             "calls": args.calls,
             "warmup": args.warmup,
             "blocks": args.blocks,
             "timeout_s": base.parallel.collective_timeout_s,
         }
-        prim_rows, medians = measure_primitives(args.pp_sizes, world_args)
+        prim_rows, values = measure_primitives(args.pp_sizes, world_args)
         rows += prim_rows
-        report["primitives"] = report_primitives(medians)
+        report["pipeline_and_attention"] = report_primitives(values, world_args)
     report["elapsed_s"] = time.perf_counter() - started
     report["load_average_at_end"] = os.getloadavg()
     out = Path(args.results_dir)

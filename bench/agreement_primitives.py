@@ -1,6 +1,7 @@
-"""Parts 2 and 3 of `bench.agreement_cost` (its docstring says what they measure): the agreement primitives
-alone, timed in worlds of gloo processes spawned here. Part 2: the relay (`CacheSync._pp_sync` verbatim) vs a
-barrier vs an all-reduce over the PP group; part 3: one combined [write, load] all-reduce vs two."""
+"""Parts 2 and 3 of `bench.agreement_cost` (its docstring says what they measure), in worlds of gloo processes
+spawned here. Part 2: a modelled pipeline whose stages agree once a step by the relay (`CacheSync._pp_sync`
+verbatim, with the bounded drain), a barrier or an all-reduce over the PP group, or not at all; every stage's
+step time and time in the agreement. Part 3: one combined [write, load] all-reduce vs two, in a tight loop."""
 
 from __future__ import annotations
 
@@ -17,38 +18,85 @@ import torch.distributed as dist
 from bench.common import ratio
 from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 
-PP_OPS = ("relay", "barrier", "all_reduce")
+PP_VARIANTS = ("none", "relay", "barrier", "all_reduce")
+SCENARIOS = ("equal", "slow_last")  # every stage's forward takes --stage-ms; the last stage's --slow-factor times
 ATTN_OPS = ("combined_1x2", "separate_2x1")
 MIN = dist.ReduceOp.MIN
+HIDDEN = 256  # elements of the modelled activations (a few tokens of a small model)
+TAG_HIDDEN, TAG_RING, TAG_RELAY = 0, 1, 2
 
 
-def _relay(data: torch.Tensor, rank: int, size: int, group, calls: int) -> tuple[float, float]:
-    """`CacheSync._pp_sync` `calls` times, then the drain: (loop seconds, drain seconds)."""
-    works = []
+def _agree(variant: str, data: torch.Tensor, rank: int, size: int, group, relay_works: list) -> float:
+    """One agreement at the start of a step, as `CacheSync.agree_ack_counts` places it (before the forward).
+    Returns the seconds spent in the relay's drain (0 for the other variants)."""
     start = time.perf_counter()
-    for _ in range(calls):
+    if variant == "relay":  # CacheSync.drain_async_work (bounded_drain), then CacheSync._pp_sync
+        for work in relay_works:
+            work.wait()
+        relay_works.clear()
+        drained = time.perf_counter()
         if rank > 0:
-            dist.recv(data, group_src=rank - 1, group=group, tag=2)
+            dist.recv(data, group_src=rank - 1, group=group, tag=TAG_RELAY)
         if rank + 1 < size:
-            works.append(dist.isend(data.clone(), group_dst=rank + 1, group=group, tag=2))
-    looped = time.perf_counter()
-    for work in works:
-        work.wait()
-    return looped - start, time.perf_counter() - looped
+            relay_works.append(dist.isend(data.clone(), group_dst=rank + 1, group=group, tag=TAG_RELAY))
+        return drained - start
+    if variant == "barrier":
+        dist.barrier(group=group)
+    elif variant == "all_reduce":
+        dist.all_reduce(data, op=MIN, group=group)
+    return 0.0
 
 
-def _time_pp_op(op: str, rank: int, size: int, group, calls: int) -> tuple[float, float]:
-    if op == "relay":
-        return _relay(torch.zeros(1, dtype=torch.int64), rank, size, group, calls)
+def _pipeline(variant: str, forward_s: float, rank: int, size: int, groups: tuple, args: dict) -> dict:
+    """`args['warmup'] + args['steps']` steps of one stage of a modelled pipeline, shaped like
+    `scheduler_pp.PPEventLoop`: agree; receive the activations from the previous stage (blocking); forward
+    (a sleep of `forward_s`: a GPU stage's CPU waits on its device); send the activations on (async). The last
+    stage sends the sampled tokens to stage 0, which takes back step j's at the end of step j + size - 1
+    (`pp_loop_size` = pp micro-batch slots), so stage 0 runs at most a slot cycle ahead. Times the steps after
+    the warmup: seconds per step, and per step the time in the agreement and in the activations' receive."""
+    agree_group, act_group = groups
+    data = torch.zeros(1, dtype=torch.int64)
+    hidden = torch.zeros(HIDDEN)
+    token = torch.zeros(1, dtype=torch.int64)
+    relay_works: list = []
+    sends: list[tuple[int, dist.Work]] = []
+    last = size - 1
+    agree_s = drain_s = act_s = 0.0
     start = time.perf_counter()
-    if op == "barrier":
-        for _ in range(calls):
-            dist.barrier(group=group)
-    else:
-        data = torch.ones(1, dtype=torch.int64)
-        for _ in range(calls):
-            dist.all_reduce(data, op=MIN, group=group)
-    return time.perf_counter() - start, 0.0
+    for step in range(args["warmup"] + args["steps"]):
+        if step == args["warmup"]:
+            agree_s = drain_s = act_s = 0.0
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        drain_s += _agree(variant, data, rank, size, agree_group, relay_works)
+        t1 = time.perf_counter()
+        if rank > 0:
+            dist.recv(hidden, group_src=rank - 1, group=act_group, tag=TAG_HIDDEN)
+        t2 = time.perf_counter()
+        agree_s, act_s = agree_s + t1 - t0, act_s + t2 - t1
+        time.sleep(forward_s)
+        if rank < last:
+            sends.append((step, dist.isend(hidden.clone(), group_dst=rank + 1, group=act_group, tag=TAG_HIDDEN)))
+        else:
+            sends.append((step, dist.isend(token.clone(), group_dst=0, group=act_group, tag=TAG_RING)))
+        if rank == 0 and step >= last:
+            dist.recv(token, group_src=last, group=act_group, tag=TAG_RING)
+        for _, work in (s for s in sends if s[0] <= step - size):  # scheduler_pp.drain_sends' bound
+            work.wait()
+        sends = [s for s in sends if s[0] > step - size]
+    elapsed = time.perf_counter() - start
+    if rank == 0:  # the tokens of the last size - 1 steps
+        for _ in range(last):
+            dist.recv(token, group_src=last, group=act_group, tag=TAG_RING)
+    for work in relay_works + [w for _, w in sends]:
+        work.wait()
+    steps = args["steps"]
+    return {
+        "step_s": elapsed / steps,
+        "agree_s": agree_s / steps,
+        "drain_s": drain_s / steps,
+        "act_wait_s": act_s / steps,
+    }
 
 
 def _time_attn_op(op: str, group, calls: int) -> float:
@@ -72,25 +120,26 @@ def _world_main(rank: int, size: int, port: int, args: dict, out_dir: str) -> No
     torch.set_num_threads(1)  # as entrypoints/rank.run_rank: tiny tensors, shared cores
     join_world(rank, size, port, args["timeout_s"])
     timeout = datetime.timedelta(seconds=args["timeout_s"])
-    pp_group = dist.new_group(list(range(size)), backend="gloo", timeout=timeout)
+    everyone = list(range(size))
+    groups = tuple(dist.new_group(everyone, backend="gloo", timeout=timeout) for _ in range(2))  # agree, act
     attn_size = min(2, size)
     attn_group = dist.new_group(list(range(attn_size)), backend="gloo", timeout=timeout)
-    calls, warmup, records = args["calls"], args["warmup"], []
+    records = []
     for block in range(args["blocks"]):
-        for op in PP_OPS:
-            dist.barrier(group=pp_group)
-            _time_pp_op(op, rank, size, pp_group, warmup)
-            dist.barrier(group=pp_group)
-            loop_s, drain_s = _time_pp_op(op, rank, size, pp_group, calls)
-            records.append({"part": "pp", "op": op, "block": block, "loop_s": loop_s, "drain_s": drain_s})
+        for scenario in SCENARIOS:
+            for variant in PP_VARIANTS:
+                slow = args["slow_factor"] if scenario == "slow_last" and rank == size - 1 else 1.0
+                dist.barrier(group=groups[0])
+                rec = _pipeline(variant, args["stage_ms"] * slow / 1e3, rank, size, groups, args)
+                records.append({"part": "pipeline", "scenario": scenario, "op": variant, "block": block, **rec})
         for op in ATTN_OPS:
-            dist.barrier(group=pp_group)
+            dist.barrier(group=groups[0])
             if rank < attn_size:
-                _time_attn_op(op, attn_group, warmup)
+                _time_attn_op(op, attn_group, args["warmup"])
                 dist.barrier(group=attn_group)
-                loop_s = _time_attn_op(op, attn_group, calls)
-                records.append({"part": "attn", "op": op, "block": block, "loop_s": loop_s, "drain_s": 0.0})
-    dist.barrier(group=pp_group)
+                loop_s = _time_attn_op(op, attn_group, args["calls"])
+                records.append({"part": "attn", "op": op, "block": block, "loop_s": loop_s})
+    dist.barrier(group=groups[0])
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
     dist.destroy_process_group()
 
@@ -103,94 +152,162 @@ def measure_world(size: int, args: dict) -> dict[int, list[dict]]:
         return {rank: json.loads(Path(scratch, f"rank{rank}.json").read_text()) for rank in range(size)}
 
 
+PIPELINE_METRICS = (  # record key, CSV metric, scale, unit, note
+    ("step_s", "step_ms", 1e3, "ms", "this stage's wall time per step (the last stage's is the pipeline's)"),
+    ("agree_s", "agree_us_per_step", 1e6, "us", "time in the agreement per step (relay: drain, recv, isend)"),
+    ("drain_s", "drain_us_per_step", 1e6, "us", "of which the relay's drain: its previous send received"),
+    ("act_wait_s", "act_wait_us_per_step", 1e6, "us", "time receiving the previous stage's activations per step"),
+)
+
+
 def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dict]:
-    """CSV rows (one per rank, op and block) and {pp: {part: {op: {rank: median us per call}}}}."""
-    rows, medians = [], {}
+    """CSV rows (one per stage, measurement and block) and {pp: {key: {rank: [value per block]}}}, key
+    (scenario, variant, metric) for part 2 and ('attn', op, 'us_per_step') for part 3."""
+    rows, values = [], {}
     for size in pp_sizes:
         started = time.perf_counter()
         per_rank = measure_world(size, args)
         print(f"  world of {size} ranks: {time.perf_counter() - started:.1f} s")
         for rank, records in per_rank.items():
             for rec in records:
-                us = rec["loop_s"] / args["calls"] * 1e6
-                part = "pp_agreement" if rec["part"] == "pp" else "attn_agreement"
-                metric = "us_per_call" if rec["part"] == "pp" else "us_per_step"
-                note = "" if rec["part"] == "pp" else "attention group = ranks 0, 1"
-                rows.append(
-                    {
-                        "part": part,
-                        "pp": size,
-                        "variant": rec["op"],
-                        "rank": rank,
-                        "repeat": rec["block"],
-                        "metric": metric,
-                        "value": us,
-                        "unit": "us",
-                        "n": args["calls"],
-                        "note": note,
-                    }
-                )
-                if rec["op"] == "relay":
+                base = {"pp": size, "variant": rec["op"], "rank": rank, "repeat": rec["block"]}
+                if rec["part"] == "pipeline":
+                    for key, metric, scale, unit, note in PIPELINE_METRICS:
+                        rows.append(
+                            {
+                                **base,
+                                "part": "pipeline",
+                                "scenario": rec["scenario"],
+                                "metric": metric,
+                                "value": rec[key] * scale,
+                                "unit": unit,
+                                "n": args["steps"],
+                                "note": note,
+                            }
+                        )
+                else:
                     rows.append(
                         {
-                            **rows[-1],
-                            "metric": "drain_us_per_call",
-                            "value": rec["drain_s"] / args["calls"] * 1e6,
-                            "note": "waiting once, after the loop, for every isend handle",
+                            **base,
+                            "part": "attn_agreement",
+                            "scenario": "",
+                            "metric": "us_per_step",
+                            "value": rec["loop_s"] / args["calls"] * 1e6,
+                            "unit": "us",
+                            "n": args["calls"],
+                            "note": "attention group = ranks 0, 1",
                         }
                     )
+        for scenario in SCENARIOS:  # the modelled forwards, for reference lines
+            for rank in range(size):
+                slow = args["slow_factor"] if scenario == "slow_last" and rank == size - 1 else 1.0
+                rows.append(
+                    {
+                        "part": "pipeline",
+                        "pp": size,
+                        "scenario": scenario,
+                        "variant": "",
+                        "rank": rank,
+                        "repeat": "",
+                        "metric": "forward_ms",
+                        "value": args["stage_ms"] * slow,
+                        "unit": "ms",
+                        "n": "",
+                        "note": "the modelled forward (a sleep) of this stage",
+                    }
+                )
         for row in rows:
-            if row["pp"] != size:
-                continue
-            medians.setdefault(size, {}).setdefault(row["part"], {}).setdefault(
-                row["variant"] + ("" if row["metric"] != "drain_us_per_call" else "_drain"), {}
-            ).setdefault(row["rank"], []).append(row["value"])
-    for parts in medians.values():
-        for ops in parts.values():
-            for op, by_rank in ops.items():
-                ops[op] = {rank: statistics.median(v) for rank, v in by_rank.items()}
-    return rows, medians
+            if row["pp"] == size and row["metric"] != "forward_ms":
+                key = (row["scenario"] or "attn", row["variant"], row["metric"])
+                values.setdefault(size, {}).setdefault(key, {}).setdefault(row["rank"], []).append(row["value"])
+    return rows, values
 
 
-def report_primitives(medians: dict) -> dict:
-    summary = {}
-    print("\nPP group: microseconds per call (median block); relay loop excludes its drain, shown apart")
+def spread(values: list[float]) -> dict:
+    """Median, min and max of the blocks (or repeats)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def _cell(values: list[float], digits: int = 0) -> str:
+    s = spread(values)
+    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
+
+
+def report_primitives(values: dict, args: dict) -> dict:
+    summary: dict = {}
+    blocks, w, k = args["blocks"], args["stage_ms"], args["slow_factor"]
     print(
-        f"{'pp':>3} {'rank':>6} {'relay':>9} {'drain':>9} {'barrier':>9} {'all_reduce':>10} "
-        f"{'relay/barrier':>14} {'relay/all_reduce':>17}"
+        f"\npart 2: modelled pipeline, {args['steps']} steps after {args['warmup']}, forward {w} ms per stage "
+        f"(slow_last: the last stage's {w * k:g} ms); median [min-max] of {blocks} blocks"
     )
-    for size, parts in medians.items():
-        ops = parts["pp_agreement"]
-        for rank, label in ((0, "0"), (size - 1, "last")):
-            relay, barrier, allred = ops["relay"][rank], ops["barrier"][rank], ops["all_reduce"][rank]
-            drain = ops["relay_drain"][rank]
-            r_b, r_a = ratio(relay, barrier), ratio(relay, allred)
-            print(
-                f"{size:3} {label:>6} {relay:9.1f} {drain:9.1f} {barrier:9.1f} {allred:10.1f} {r_b:14.3f} {r_a:17.3f}"
-            )
-            summary.setdefault(str(size), {})[f"rank_{label}"] = {
-                "relay_us": relay,
-                "relay_drain_us_per_call": drain,
-                "barrier_us": barrier,
-                "all_reduce_us": allred,
-                "relay/barrier": r_b,
-                "relay/all_reduce": r_a,
-            }
+    for scenario in SCENARIOS:
+        print(f"\n  {scenario}: pipeline step (ms, last stage) and each stage's time in the agreement (us per step)")
+        print(f"  {'pp':>3} {'variant':>10} {'step ms':>18} {'+ over none':>12}   agreement us per step, by stage")
+        for size, by_key in values.items():
+            none = by_key[(scenario, "none", "step_ms")][size - 1]
+            for variant in PP_VARIANTS:
+                step = by_key[(scenario, variant, "step_ms")][size - 1]
+                extra = [s - n for s, n in zip(step, none, strict=True)]  # same block: same machine state
+                agree = by_key[(scenario, variant, "agree_us_per_step")]
+                drain = by_key[(scenario, variant, "drain_us_per_step")]
+                stages = "  ".join(
+                    f"{r}: {_cell(agree[r])}"
+                    + (f" (drain {statistics.median(drain[r]):.0f})" if r < size - 1 and variant == "relay" else "")
+                    for r in range(size)
+                )
+                print(f"  {size:3} {variant:>10} {_cell(step, 2):>18} {statistics.median(extra):+12.2f}   {stages}")
+                summary.setdefault(str(size), {}).setdefault(scenario, {})[variant] = {
+                    "pipeline_step_ms": spread(step),
+                    "extra_ms_over_none_same_block": spread(extra),
+                    "step_ms_by_stage": {
+                        str(r): spread(by_key[(scenario, variant, "step_ms")][r]) for r in range(size)
+                    },
+                    "agree_us_by_stage": {str(r): spread(agree[r]) for r in range(size)},
+                    "drain_us_by_stage": {str(r): spread(drain[r]) for r in range(size)},
+                    "act_wait_us_by_stage": {
+                        str(r): spread(by_key[(scenario, variant, "act_wait_us_per_step")][r]) for r in range(size)
+                    },
+                }
     print(
-        "  rank 0's relay is the isend alone: the relay never makes stage 0 wait; the last rank's relay is the "
-        "recv, what the pipeline pays.\n  drain: the once-a-round wait for the isend handles, per call (rank 0 "
-        "waits for the next stage to have received everything)."
+        "  step ms: the last stage's wall time per step, the pipeline's throughput; '+ over none': the median over "
+        "blocks of (variant - none) in the same block,\n  the agreement's own cost. Relay: a stage before the last "
+        "drains (waits until the next stage has received its previous count) and isends; later stages wait in\n  "
+        "the recv, mostly for the previous stage to start the step, which they would otherwise wait for on the "
+        "activations. Barrier / all-reduce: every\n  stage waits there for the slowest (lockstep)."
     )
-    print("\nattention group of 2 (ranks 0, 1): microseconds per step, [write, load] agreed (MIN)")
-    print(f"{'pp world':>8} {'rank':>5} {'one 2-elem':>11} {'two 1-elem':>11} {'two/one':>8}")
-    for size, parts in medians.items():
-        ops = parts["attn_agreement"]
-        for rank in (0, 1) if size > 1 else (0,):
-            one, two = ops["combined_1x2"][rank], ops["separate_2x1"][rank]
-            print(f"{size:8} {rank:5} {one:11.1f} {two:11.1f} {ratio(two, one):8.3f}")
+    print(f"\n  lockstep (slow_last, forwards {w:g} ms and the last stage's {w * k:g} ms): pipeline step, ms")
+    for size, by_key in values.items():
+        none = spread(by_key[("slow_last", "none", "step_ms")][size - 1])
+        relay = spread(by_key[("slow_last", "relay", "step_ms")][size - 1])
+        allred = spread(by_key[("slow_last", "all_reduce", "step_ms")][size - 1])
+        ideal = {"slowest_stage": w * k, "sum_of_stages": w * (size - 1) + w * k}
+        print(
+            f"  PP={size}: none {none['median']:.2f} [{none['min']:.2f}-{none['max']:.2f}], relay "
+            f"{relay['median']:.2f} [{relay['min']:.2f}-{relay['max']:.2f}], all-reduce {allred['median']:.2f} "
+            f"[{allred['min']:.2f}-{allred['max']:.2f}] = {ratio(allred['median'], none['median']):.2f}x none; "
+            f"the slowest forward {ideal['slowest_stage']:g}, all forwards in a row {ideal['sum_of_stages']:g}"
+        )
+        summary.setdefault(str(size), {})["lockstep_slow_last"] = {
+            "none_ms": none,
+            "relay_ms": relay,
+            "all_reduce_ms": allred,
+            "all_reduce/none": ratio(allred["median"], none["median"]),
+            "forward_ms": ideal,
+        }
+    print("\npart 3: attention group of 2 (ranks 0, 1): us per step, [write, load] agreed (MIN); median [min-max]")
+    print(f"  {'pp world':>8} {'rank':>5} {'one 2-elem':>20} {'two 1-elem':>20} {'two/one':>8}")
+    for size, by_key in values.items():
+        one_by, two_by = (
+            by_key[("attn", "combined_1x2", "us_per_step")],
+            by_key[("attn", "separate_2x1", "us_per_step")],
+        )
+        for rank in sorted(one_by):
+            one, two = one_by[rank], two_by[rank]
+            r = ratio(statistics.median(two), statistics.median(one))
+            print(f"  {size:8} {rank:5} {_cell(one):>20} {_cell(two):>20} {r:8.3f}")
             summary.setdefault(str(size), {})[f"attn_rank_{rank}"] = {
-                "combined_us_per_step": one,
-                "separate_us_per_step": two,
-                "separate/combined": ratio(two, one),
+                "combined_us_per_step": spread(one),
+                "separate_us_per_step": spread(two),
+                "separate/combined": r,
             }
     return summary

@@ -1,5 +1,5 @@
 """Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
-`soak`, `zoo`, `exhaustive`, `conform`)."""
+`soak`, `zoo`, `exhaustive`, `conform`, `exercise`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate
 from .errors import ConfigError
 from .lab.conformance import add_conform_flags, cmd_conform
+from .lab.exercise import add_exercise_flags, cmd_exercise
 from .lab.exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .lab.figures import add_figures_flags, cmd_figures
 from .lab.plots import plot_hit_rates, plot_queue_divergence
@@ -111,7 +112,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             verdict += f"; crashed on rank {summary['failing_rank']}: {summary['error']}"
         hit = "   n/a" if summary["crashed"] else f"{mean_hit_rate(summary['rounds'], 4, 7):6.1%}"
         print(f"  {label:<22} {hit}   {verdict}")
-    figures = Path(args.figures)
+    figures = Path(args.figures) if args.figures else out / "figures"  # the committed figures/: `figures`
     pp = base.parallel.pp
     panels = {f"--pp {pp} --sync {name}": (out / name, summaries[name]) for name in ("legacy", "fixed")}
     plot_queue_divergence(panels, figures / "pp_queue_divergence.png")
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run one configuration and write DIR/summary.json")
     demo_parser = commands.add_parser(
-        "demo", help="PP=2: L1 only, then L1 + L2 with legacy and with fixed sync; writes the figures"
+        "demo", help="PP=2: L1 only, then L1 + L2 with legacy and with fixed sync; two figures beside its runs"
     )
     for p, default_out, overrides in ((run_parser, "runs/latest", {}), (demo_parser, "runs/demo", {"pp": 2})):
         add_run_flags(p, **overrides)
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         help="SGLang bench_multiturn --log-file (JSONL): print and plot its per-round hit rates beside this run's",
     )
     run_parser.set_defaults(func=cmd_run)
-    demo_parser.add_argument("--figures", default="figures", help="where the figures go (default: figures)")
+    demo_parser.add_argument(
+        "--figures", help="where its two figures go (default: OUT/figures; `figures` regenerates the committed ones)"
+    )
     demo_parser.set_defaults(func=cmd_demo)
     figures_parser = commands.add_parser("figures", help="regenerate every figure in figures/ from live runs")
     add_figures_flags(figures_parser)
@@ -159,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_conform_flags(conform_parser)
     conform_parser.set_defaults(func=cmd_conform)
+    exercise_parser = commands.add_parser(
+        "exercise", help="check your own pp_sync / writing_check / attn_groups on several worlds (notebook 06)"
+    )
+    add_exercise_flags(exercise_parser)
+    exercise_parser.set_defaults(func=cmd_exercise)
     args = parser.parse_args(argv)
     try:
         if getattr(args, "out", None) is not None and not args.out.strip():

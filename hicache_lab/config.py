@@ -36,13 +36,14 @@ SYNC_FIXES = (
 LEGACY_FIXES: tuple[str, ...] = ()
 FAULTS = (
     "kill-rank",
+    "slow-rank",
     "tear-copy",
     "misplace-copy",
     "alloc-fail",
     "damage-page",
 )  # --fault KIND:RANK@N (entrypoints/hooks.py)
 # What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (entrypoints/hooks.py binds it).
-SYNC_IMPL_SLOTS = ("pp_sync", "writing_check")
+SYNC_IMPL_SLOTS = ("pp_sync", "writing_check", "attn_groups")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 # Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
 STORAGE_WRITERS = ("every-rank", "one")
@@ -284,7 +285,7 @@ class ParallelConfig:
     # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots), damage-page
     # (the Nth page it reads from the file store is damaged on disk first)
     fault: str = ""
-    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync / writing_check (hooks.py)
+    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync, writing_check, _attn_groups
 
     def __post_init__(self) -> None:
         _check_numbers(self)
@@ -325,8 +326,13 @@ class ParallelConfig:
         )
         _check(all(n >= 1 for n in self.pp_layer_partition), "--pp-layer-partition: every stage needs a layer")
         if self.fault:
-            _, rank, _ = self.fault_spec
+            kind, rank, n = self.fault_spec
             _check(rank < self.world_size, f"--fault {self.fault}: rank {rank} is not in a world of {self.world_size}")
+            _check(
+                kind != "slow-rank" or n < 250 * self.collective_timeout_s,
+                f"--fault {self.fault}: a sleep of {n} ms every iteration makes its peers wait past a quarter of "
+                f"--collective-timeout {self.collective_timeout_s:g}: give fewer ms or a longer timeout",
+            )
             _check(
                 not self.fault.startswith("kill-rank") or self.world_size > 1,
                 "--fault kill-rank needs a world of 2 or more ranks (a single rank runs in the launching process)",

@@ -19,3 +19,7 @@ class ConsensusError(RuntimeError):
 
 class AllocationError(RuntimeError):
     """A rank cannot allocate slots for a copy its peers agreed to start."""
+
+
+class StallError(RuntimeError):
+    """Requests wait, nothing runs, and the copies in flight are never acknowledged: the run cannot progress."""

@@ -47,10 +47,13 @@ The fixes, each switchable alone (`--enable-fix NAME` / `--disable-fix NAME`) so
                         returns before them, and a peer whose prefetches differ waits there alone (a deadlock).
 
 Rules every path obeys: each rank enters every collective of a step in the same order (a rank-local early
-return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop
-(stages are not in lockstep, so it deadlocks): only the one-way relay crosses stages. The two world-wide
-agreements obey it by where they run: `agree_host_capacity` once, at start; `check_consensus` between
-iterations.
+return before a collective deadlocks), and no symmetric collective spans PP stages in the scheduler loop: only
+the one-way relay crosses stages, so that a stage runs ahead of a slower one. A symmetric collective that every
+stage enters at the same point of every step does not deadlock here: it forces the stages into lockstep (stage
+0 no longer leaves a step ahead of the last stage; `python -m hicache_lab exercise` measures it against this
+relay). One that only some stages enter deadlocks: a group of `_attn_groups` with ranks of other stages is
+entered by PP rank 0 alone. The two world-wide agreements obey the rule by where they run:
+`agree_host_capacity` once, at start; `check_consensus` between iterations.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class CacheSync:
     def _attn_groups(self) -> list:
         """The attention-CP then attention-TP group, size-1 groups skipped. Without the CP fix, attention-TP
         alone: the legacy cache group, which excludes CP peers. (SGLang falls back to its TP group when
-        neither group exists; here both always do.)"""
+        neither group exists; here both always do.) A `--sync-impl attn_groups=...` replaces it (notebook 06)."""
         candidates = (self.groups.attn_cp_group, self.groups.attn_tp_group)
         if "cp_groups" not in self.fixes:
             candidates = (self.groups.attn_tp_group,)

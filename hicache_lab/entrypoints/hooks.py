@@ -1,13 +1,19 @@
 """What the entry point binds into a rank's parts at build time, so that the core has no branch for it.
 
-**`--sync-impl SLOT=MODULE:FUNCTION`** (repeatable): your own `_pp_sync` or `writing_check` in every rank. For
-course exercises (notebooks/06_exercises.ipynb) and protocol experiments. Every rank imports MODULE
-(from the working directory or `sys.path`) and binds FUNCTION as a method in place of the lab's own:
+**`--sync-impl SLOT=MODULE:FUNCTION`** (repeatable): your own `_pp_sync`, `writing_check` or `_attn_groups` in
+every rank. For course exercises (notebooks/06_exercises.ipynb, `python -m hicache_lab exercise`) and protocol
+experiments. Every rank imports MODULE (a module name, from the working directory or `sys.path`, or the path of a
+`.py` file) and binds FUNCTION as a method in place of the lab's own:
 
 * `pp_sync`       - `CacheSync._pp_sync(self, data)`: relay the agreed counts (an int64 tensor, changed in
                     place) down the pipeline. Every agreement that crosses stages goes through it.
 * `writing_check` - `HiRadixCache.writing_check(self, count)`: consume `count` write acks, the count every
                     rank agreed on this step.
+* `attn_groups`   - `CacheSync._attn_groups(self)`: the groups PP rank 0 agrees over (the CP fix: attention-CP
+                    and attention-TP).
+
+Every such call is audited (`sync_audit.Audit`): the distributed calls it makes and the rules of its slot, one
+line per call in `sync_audit_rank{R}.jsonl`; a rule broken in every world stops the run with the reason.
 
 The run checks the targets before it starts, so a typo fails at once (`ConfigError`, exit code 2). Your code is
 bounded (`call_bounded`): the import must end within IMPORT_TIMEOUT_S, and every call runs in a helper thread and
@@ -19,6 +25,8 @@ Only one thread at a time uses a group: the rank waits while its helper runs.
 **Faults** (`install_faults`), for the tests that show a failure is caught:
 
 * `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) as its iteration N begins;
+* `--fault slow-rank:R@MS` - rank R sleeps MS milliseconds at the start of every iteration: a slower stage (what a
+  protocol that forces the stages into lockstep costs, `python -m hicache_lab exercise`);
 * `--fault tear-copy:R@N` / `misplace-copy:R@N` - rank R's Nth host write leaves out its first layer / lands
   every token one slot over (`--copy-checksum` and `--check-outputs` must catch it);
 * `--fault alloc-fail:R@N` - rank R's Nth slot allocation for a copy (a write to the host, a load back, a
@@ -36,15 +44,18 @@ what was asked, and the summary says so (report.py, `_merge_faults`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -56,6 +67,7 @@ from ..mem_cache.base import BasePrefixCache
 from ..mem_cache.cache_controller import HiCacheController
 from ..mem_cache.hicache_storage import FileStorage
 from ..mem_cache.hiradix_cache import HiRadixCache
+from .sync_audit import Audit, AuditFinding, patch_torch_distributed
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +105,25 @@ def call_bounded(what: str, timeout_s: float, bound: str, fn: Callable, *args):
     if "error" not in outcome:
         return outcome.get("value")
     exc = outcome["error"]
+    if isinstance(exc, AuditFinding):
+        raise SyncImplError(f"{what}: {exc}") from exc
     if isinstance(exc, SystemExit):
         raise SyncImplError(f"{what} called sys.exit({exc.code!r}): it must return, or raise an exception") from exc
     raise SyncImplError(f"{what} raised {type(exc).__name__}{f': {exc}' if str(exc) else ''}") from exc
 
 
 def _fresh(module_name: str) -> types.ModuleType:
-    return importlib.reload(importlib.import_module(module_name))  # in-process runs see the file as it is now
+    """The module as its file is now (in-process runs see a changed file); a path to a .py file is imported under
+    its file name."""
+    if module_name.endswith(".py"):
+        path = Path(module_name).resolve()
+        spec = importlib.util.spec_from_file_location(f"sync_impl_{path.stem}", path)
+        if spec is None or not path.is_file():
+            raise ModuleNotFoundError(f"no file {module_name}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return importlib.reload(importlib.import_module(module_name))
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
@@ -107,6 +131,8 @@ def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
     if specs and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module written next to the notebook or the shell
     importlib.invalidate_caches()
+    if specs:
+        patch_torch_distributed()  # before the import: a name it takes from torch.distributed is the audited one
     impls = {}
     for spec in specs:
         slot, _, target = spec.partition("=")
@@ -115,9 +141,12 @@ def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
             module = call_bounded("its import", IMPORT_TIMEOUT_S, "the lab's bound on an import", _fresh, module_name)
         except SyncImplError as exc:
             missing = isinstance(exc.__cause__, ModuleNotFoundError)
-            where = "; put the module in the working directory or on PYTHONPATH" if missing else ""
+            where = "; give a .py file's path, or put the module in the working directory or on PYTHONPATH"
+            where = where if missing else ""
             raise ConfigError(f"--sync-impl {spec}: cannot import {module_name!r}: {exc}{where}") from exc
-        fn = getattr(module, function, None)
+        fn = module
+        for name in function.split("."):  # a method of a class too: the lab's own, as a baseline
+            fn = getattr(fn, name, None)
         if not callable(fn):
             raise ConfigError(
                 f"--sync-impl {spec}: {module_name} has no function {function!r}: define it, or fix the name"
@@ -126,16 +155,23 @@ def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
     return impls
 
 
-def install(impls: dict[str, tuple[str, Callable]], sync, cache) -> None:
+SLOT_TARGETS = {"pp_sync": ("sync", "_pp_sync"), "writing_check": ("cache", "writing_check")}
+SLOT_TARGETS["attn_groups"] = ("sync", "_attn_groups")
+
+
+def install(impls: dict[str, tuple[str, Callable]], sync, cache, out_dir: Path | None = None) -> None:
     """Bind the replacements to this rank's CacheSync and HiRadixCache (instance attributes shadow methods),
-    each call bounded by USER_CALL_BOUND x the collective timeout."""
+    each call audited (its lines in `out_dir`) and bounded by USER_CALL_BOUND x the collective timeout."""
+    if not impls:
+        return
     collective_s = sync.groups.timeout.total_seconds()
     timeout_s, bound = USER_CALL_BOUND * collective_s, f"{USER_CALL_BOUND} x --collective-timeout {collective_s:g}"
-    for slot, owner, attribute in (("pp_sync", sync, "_pp_sync"), ("writing_check", cache, "writing_check")):
-        if slot in impls:
-            spec, fn = impls[slot]
-            method = types.MethodType(fn, owner)
-            setattr(owner, attribute, partial(call_bounded, f"--sync-impl {spec}", timeout_s, bound, method))
+    audit = Audit(out_dir, sync.groups)
+    owners = {"sync": sync, "cache": cache}
+    for slot, (spec, fn) in impls.items():
+        owner = owners[SLOT_TARGETS[slot][0]]
+        method = audit.wrap(slot, types.MethodType(fn, owner), owner)
+        setattr(owner, SLOT_TARGETS[slot][1], partial(call_bounded, f"--sync-impl {spec}", timeout_s, bound, method))
 
 
 @dataclass
@@ -169,6 +205,7 @@ class Chances:
 HOST_TIER = "only a run with --enable-hierarchical-cache makes them"
 CHANCES = {  # what a chance of each fault is, and what makes one
     "kill-rank": ("began {} iterations", ""),
+    "slow-rank": ("began {} iterations", ""),
     "tear-copy": ("made {} host writes", HOST_TIER),
     "misplace-copy": ("made {} host writes", HOST_TIER),
     "alloc-fail": ("made {} slot allocations for a copy", HOST_TIER),
@@ -192,10 +229,12 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
         _skip_load_wait(loop.scheduler, faults[-1])
     if cfg.parallel.fault and cfg.parallel.fault_spec[1] == rank:
         kind, _, n = cfg.parallel.fault_spec
-        chances = Chances(f"--fault {cfg.parallel.fault}", rank, *CHANCES[kind], n)
+        chances = Chances(f"--fault {cfg.parallel.fault}", rank, *CHANCES[kind], 0 if kind == "slow-rank" else n)
         faults.append(chances)
         if kind == "kill-rank":
             loop.on_iteration.append(partial(_kill_at, chances))
+        elif kind == "slow-rank":
+            loop.on_iteration.append(partial(_slow_down, chances, n / 1e3))
         elif kind == "alloc-fail" and isinstance(cache, HiRadixCache):
             _fail_allocation(cache, chances)
         elif kind == "damage-page" and isinstance(cache, HiRadixCache) and cache.storage is not None:
@@ -208,6 +247,11 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
 def _kill_at(chances: Chances, iteration: int) -> None:
     if chances.take() is not None:
         os.kill(os.getpid(), signal.SIGKILL)  # no exception, no result: as if the process were lost
+
+
+def _slow_down(chances: Chances, seconds: float, iteration: int) -> None:
+    chances.take()
+    time.sleep(seconds)
 
 
 def _skip_load_wait(scheduler: Scheduler, chances: Chances) -> None:

@@ -90,7 +90,7 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     asked = RecordingCache(cache, ops_path(out_dir, layout.rank), layout.rank) if cfg.record_cache_ops else cache
     w = cfg.workload
     scheduler = Scheduler(asked, w.max_running_requests, w.chunk_size, w.max_prefill_tokens, p.micro_batches, p.pp)
-    install(resolve(p.sync_impls), sync, cache)
+    install(resolve(p.sync_impls), sync, cache, out_dir)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)

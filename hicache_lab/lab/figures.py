@@ -5,6 +5,8 @@
 * digest_agreement.png    - which ranks hold rank 0's tree at every step, PP=2 and PP=3, legacy vs fixed
 * hit_rate_by_tier.png    - one rank whose history outgrows device and host: L1, L1 + L2, L1 + L2 + L3
 * hicache_tree.png        - one rank's tree as write-through, eviction and load-back change it
+* causal_chain.png        - the legacy PP=2 run's chain: ack on one stage only -> unlock -> admission, eviction
+                            -> different batches -> the crash (lab/chain.py)
 * sync_cost.png           - bench/results/agreement_cost.csv (from `python -m bench.agreement_cost`), if present
 
 `--quick` uses a small workload (seconds, for CI); the committed figures use the demo's.
@@ -21,14 +23,18 @@ import pandas as pd
 
 from ..config import RunConfig
 from ..entrypoints.launch import run
+from .chain import chain_figure
 from .plots import (
+    TREE_LEAF_WIDTH,
+    TREE_LEVEL_HEIGHT,
     draw_tree,
     plot_digest_agreement,
     plot_hit_rate_by_tier,
     plot_hit_rates,
     plot_queue_divergence,
     plot_sync_cost,
-    save_figure,
+    tree_drawing,
+    tree_legend,
 )
 from .presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
 from .tour import OneRank
@@ -40,6 +46,7 @@ FILES = (
     "digest_agreement.png",
     "hit_rate_by_tier.png",
     "hicache_tree.png",
+    "causal_chain.png",
     "sync_cost.png",
 )
 
@@ -68,6 +75,9 @@ def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
     hit_rates = {"L1 only": l1_only, "L1 + L2, legacy sync": worlds[2, "legacy"][1]}
     plot_hit_rates({**hit_rates, "L1 + L2, fixed sync": worlds[2, "fixed"][1]}, out / FILES[1])
     plot_digest_agreement({f"--pp {pp} --sync {sync}": world for (pp, sync), world in worlds.items()}, out / FILES[2])
+    chain_figure(
+        *worlds[2, "legacy"], out / FILES[5], "--pp 2 --sync legacy: from an ack consumed on one stage to the crash"
+    )
 
 
 def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dict]:
@@ -80,21 +90,46 @@ def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dic
 
 
 def tree_figure(out: Path) -> None:
+    """Four moments of one rank's tree (lab.tour.OneRank), each panel as wide as its tree."""
     rank = OneRank()
     a, b, c = list(range(100, 116)), list(range(100, 108)) + list(range(200, 208)), list(range(300, 324))
-    fig, axes = plt.subplots(1, 4, figsize=(15, 3.6))
+    panels = []  # (title, drawing): the tree keeps changing, so each moment is drawn from a snapshot
+
+    def snap(title: str) -> None:
+        panels.append((title, tree_drawing(rank.tree)))
+
     rank.serve(a)
-    draw_tree(axes[0], rank.tree, "1. A served: its host write in flight\n(locked until the ack is consumed)")
+    snap("1. A served: its host write in flight\n(locked until the ack is consumed)")
     rank.step()
     rank.serve(b)
     rank.step()
-    draw_tree(axes[1], rank.tree, "2. B shares A's first 8 tokens: split;\nacks consumed, both backed up", legend=False)
+    snap("2. B shares A's first 8 tokens: split;\nacks consumed, both backed up")
     rank.serve(c)
-    draw_tree(axes[2], rank.tree, "3. C needs room: A's and B's tails\nevicted to host-only", legend=False)
+    snap("3. C needs room: A's and B's tails\nevicted to host-only")
     rank.step()
     rank.serve(a + [1, 2, 3, 4])
-    draw_tree(axes[3], rank.tree, "4. A again: its tail loaded back\n(locked until the load ack)", legend=False)
-    save_figure(fig, out / FILES[4])
+    snap("4. A again: its tail loaded back\n(locked until the load ack)")
+    rank.close()
+    rows = (panels[:2], panels[2:])  # two panels a row, each as wide as its tree: readable at README width
+    widths = [[max(d.leaves, 1.5) for _, d in row] for row in rows]
+    depths = [max(d.depth for _, d in row) for row in rows]
+    fig = plt.figure(
+        figsize=(
+            TREE_LEAF_WIDTH * max(map(sum, widths)) + 0.4,
+            sum(TREE_LEVEL_HEIGHT * (d + 1) + 0.8 for d in depths) + 0.7,
+        ),
+        layout="constrained",
+    )
+    for subfig, row, ratios, depth in zip(
+        fig.subfigures(2, 1, height_ratios=[d + 1.8 for d in depths]), rows, widths, depths, strict=True
+    ):
+        for ax, (title, drawing) in zip(subfig.subplots(1, 2, width_ratios=ratios), row, strict=True):
+            draw_tree(ax, drawing, title, legend=False)
+            ax.set_ylim(-depth - 0.5, 0.35)  # one depth scale a row
+    fig.legend(handles=tree_legend(), loc="outside lower center", ncol=2, fontsize=9, frameon=False)
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / FILES[4], dpi=120)
+    plt.close(fig)
 
 
 def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "cpu") -> list[Path]:
@@ -105,10 +140,10 @@ def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "
     pipeline_figures(base, runs_dir, out)
     tier_figure(runs_dir, out, device)
     tree_figure(out)
-    written = [out / name for name in FILES[:5]]
+    written = [out / name for name in FILES[:6]]
     if SYNC_COST_CSV.exists():
-        plot_sync_cost(pd.read_csv(SYNC_COST_CSV), out / FILES[5])
-        written.append(out / FILES[5])
+        plot_sync_cost(pd.read_csv(SYNC_COST_CSV), out / FILES[6])
+        written.append(out / FILES[6])
     return written
 
 
@@ -123,5 +158,5 @@ def cmd_figures(args: argparse.Namespace) -> int:
     for path in make_figures(Path(args.out), Path(args.runs), args.quick, args.device):
         print(f"wrote {path}")
     if not SYNC_COST_CSV.exists():
-        print(f"skipped {FILES[5]}: no {SYNC_COST_CSV} (run python -m bench.agreement_cost)")
+        print(f"skipped {FILES[6]}: no {SYNC_COST_CSV} (run python -m bench.agreement_cost)")
     return 0

@@ -6,7 +6,8 @@ the world it ran, and `config(...)` turns the same flags into a `RunConfig`.
 * `WORLD` - that workload with the host tier and the output oracle on 3 layers (so PP stages hold different
   layer counts): the bug zoo, the exercises and the multi-rank tests add their world size and faults to it.
 * `TIERS` / `TIER_CACHES` - one rank whose history outgrows device and host (8 conversations of 5 turns): the
-  hit rate per tier (figures, notebook 04).
+  hit rate per tier (figures, notebook 04). The storage run's prefetch threshold, 24 tokens, is above a turn's
+  new tokens (16 beyond what the tree holds): from round 1 only a prompt whose history the host dropped asks storage.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ TIERS = (
 TIER_CACHES = {  # CacheConfig fields of each tier stack
     "L1": {},
     "L1 + L2": {"enable_hierarchical_cache": True},
-    "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 16},
+    "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 24},
 }
 
 
@@ -44,6 +45,6 @@ def config(*flags: str) -> RunConfig:
 
 def tier_config(device: str = "cpu", **cache) -> RunConfig:
     """`TIERS` on `device` with these CacheConfig fields (one of `TIER_CACHES`): from round 2 the histories
-    outgrow the host pool too (ratio 2), so the storage tier finds what the host had to drop."""
+    outgrow the 512-token host pool too (ratio 2), and from round 3 the storage tier finds what the host dropped."""
     cfg = config(TIERS, f"--device {device}")
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache))

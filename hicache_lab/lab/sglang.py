@@ -59,7 +59,8 @@ def side_by_side(ours: list, names: tuple[str, ...]) -> str:
         right = f"sglang {SGLANG_VERSION} is not installed here: its source is skipped.\n(make installs it.)"
     else:
         right = "\n\n".join(f"# {where}\n{source}" for where, source in theirs.items()) or f"no method named {names}"
-    cell = '<td style="vertical-align:top;text-align:left"><pre style="font-size:11px">{}</pre></td>'
+    pre = '<pre style="font-size:11px;font-family:monospace;white-space:pre">{}</pre>'
+    cell = f'<td style="vertical-align:top;text-align:left">{pre}</td>'
     return (
         "<table><tr><th>hicache_lab</th><th>SGLang</th></tr><tr>"
         + cell.format(html.escape(left))

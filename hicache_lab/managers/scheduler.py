@@ -19,11 +19,13 @@ from collections import Counter
 
 import torch
 
-from ..errors import PoolExhaustedError
+from ..errors import PoolExhaustedError, StallError
 from ..mem_cache.base import BasePrefixCache
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
 from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
+
+STALL_STEPS, STALL_S = 1000, 10.0  # idle steps (and seconds) without an ack consumed before a run is stalled
 
 
 class Scheduler:
@@ -45,6 +47,8 @@ class Scheduler:
         self.chunked_prefill_size, self.max_prefill_tokens = chunked_prefill_size, max_prefill_tokens
         self.page_size = cache.cfg.page_size
         self.waiting: list[Req] = []
+        self.stalled_since: float | None = None  # first of the idle steps in a row with requests waiting
+        self.idle_steps = self.acks_while_stalled = 0
         # Per micro-batch slot (SGLang's running_mbs): requests past their prefill, not finished; a request stays
         # in the slot whose batch ran its prefill, and decodes only when that slot comes round again.
         self.running_mbs: list[list[Req]] = [[] for _ in range(micro_batches)]
@@ -73,12 +77,42 @@ class Scheduler:
             result = Batch("idle", [], None, acks)
             if not self.running:
                 self.new_token_ratio.reset()
-            if self.waiting and not self.running and not self.cache.copies_in_flight():
-                raise PoolExhaustedError(
-                    f"request {self.waiting[0].rid} ({len(self.waiting[0].fill_ids)} tokens) can never fit "
-                    "the device pool: raise --max-total-tokens"
-                )
+            self._check_progress(acks)
+        if result.kind != "idle" or not self.waiting or self.running:
+            self.stalled_since = None
         return result
+
+    def _check_progress(self, acks: tuple[int, int]) -> None:
+        """An idle step with requests waiting and none running: with no copy in flight nothing will ever free
+        room; with copies in flight whose acks are never consumed (STALL_STEPS idle steps and STALL_S seconds in a
+        row), nothing will either. Each ends the run saying which."""
+        if not self.waiting or self.running:
+            return
+        req, cache = self.waiting[0], self.cache
+        if not cache.copies_in_flight():
+            alloc = cache.device_alloc
+            locked = alloc.size - alloc.available_size() - cache.tree.evictable_size()
+            held = (
+                f"{locked} of its {alloc.size} tokens are locked with no request or copy holding them (a lock "
+                "taken and never released: dec_lock_ref)"
+                if locked
+                else "raise --max-total-tokens"
+            )
+            raise PoolExhaustedError(
+                f"request {req.rid} ({len(req.fill_ids)} tokens) can never fit the device pool: {held}"
+            )
+        now = time.perf_counter()
+        if self.stalled_since is None:
+            self.stalled_since, self.idle_steps, self.acks_while_stalled = now, 0, 0
+        self.idle_steps += 1
+        self.acks_while_stalled += sum(acks)
+        if self.idle_steps >= STALL_STEPS and now - self.stalled_since >= STALL_S and not self.acks_while_stalled:
+            ready = cache.ready if hasattr(cache, "ready") else ()
+            raise StallError(
+                f"no batch for {self.idle_steps} steps ({now - self.stalled_since:.0f} s) while request {req.rid} "
+                f"waits: copies stay in flight and no ack was consumed (this rank's own poll: {list(ready)} write "
+                "and load acks finished), so the nodes they lock never become evictable; the agreed counts stay 0"
+            )
 
     def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
         """Append each request's sampled token (a chunk before the last samples none); a request goes into the

@@ -132,21 +132,27 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         nodes = [ongoing.pop(i) for ack in self.controller.pop_acks(queue, name, count) for i in ack.node_ids]
         for node in nodes:
             self.dec_lock_ref(node)
+        vars(self).setdefault("traced_unlocks", []).extend([n.id, len(n.key)] for n in nodes)  # unlocked_nodes
         return nodes
 
     def writing_check(self, count: int) -> None:
-        """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and, with a
-        storage tier, are backed up to it, with every upper half split off a node while its write was in flight
-        (SGLang's publish_node_ids: the whole pre-split chain, prefix first)."""
+        """Consume `count` write acks: their nodes become unlocked (and evictable to host-only) and are
+        published (`publish_write`). A `--sync-impl writing_check=...` replaces this method (notebook 06)."""
         for node in self._consume_acks(self.controller.ack_write_queue, "write", self.ongoing_write_through, count):
-            chain = [node]
-            while chain[-1].parent.write_pending == node.id:
-                chain.append(chain[-1].parent)
-            for part in reversed(chain):
-                part.write_pending = None
-                self.tree.track_duplicate(part)
-                if self.storage is not None:
-                    self.storage.backup(part)
+            self.publish_write(node)
+
+    def publish_write(self, node: TreeNode) -> None:
+        """A node whose host write is acknowledged, and every upper half split off it while the write was in
+        flight (SGLang's publish_node_ids: the whole pre-split chain, prefix first): settled on the host and, with
+        a storage tier, backed up to it."""
+        chain = [node]
+        while chain[-1].parent.write_pending == node.id:
+            chain.append(chain[-1].parent)
+        for part in reversed(chain):
+            part.write_pending = None
+            self.tree.track_duplicate(part)
+            if self.storage is not None:
+                self.storage.backup(part)
 
     def _consume_writes(self, count: int) -> None:
         """`writing_check` (a `--sync-impl` may replace it), then protect the host copy of each node it handed to
@@ -267,6 +273,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         if not node.backuped and self.cfg.write_policy == "write_back":
             self._write_back(node)
         freed = len(node.value)
+        vars(self).setdefault("traced_evictions", []).append([node.id, freed])  # StepRecord's evicted_nodes
         self.device_alloc.free(node.value)
         if node.backuped:
             self.tree.set_device(node, None)

@@ -1,6 +1,6 @@
 """Every notebook runs top to bottom in quick mode without an error (each asserts what it shows: legacy
-diverges and fixed does not, a wrong exercise answer fails the check and the solution passes). They run on a
-copy in a temporary directory, so the committed notebooks and their outputs are left as they are."""
+diverges and fixed does not; notebook 06's check fails its stubs). They run on a copy in a temporary
+directory, so the committed notebooks and their outputs are left as they are."""
 
 from __future__ import annotations
 

@@ -1,0 +1,38 @@
+"""bench/agreement_cost.py's parts 2-3 at a smoke size: every stage of every world reports every measurement of
+every variant and block, and the figure draws the panels of what was measured (part 1 is too slow for here)."""
+
+from __future__ import annotations
+
+import pandas as pd
+from PIL import Image
+
+from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, measure_primitives
+from hicache_lab.lab.plots import plot_sync_cost
+
+SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
+
+
+def test_every_stage_reports_every_measurement(tmp_path):
+    rows, values = measure_primitives([3], SMOKE)  # first, middle and last stage
+    frame = pd.DataFrame(rows)
+    pipe = frame[(frame["part"] == "pipeline") & (frame["metric"] != "forward_ms")]
+    for size in (3,):
+        for scenario in SCENARIOS:
+            for variant in PP_VARIANTS:
+                mine = pipe[(pipe["pp"] == size) & (pipe["scenario"] == scenario) & (pipe["variant"] == variant)]
+                got = set(zip(mine["rank"], mine["metric"], mine["repeat"], strict=True))
+                metrics = {"step_ms", "agree_us_per_step", "drain_us_per_step", "act_wait_us_per_step"}
+                want = {(r, m, b) for r in range(size) for m in metrics for b in range(SMOKE["blocks"])}
+                assert got == want, (size, scenario, variant, want - got)
+        attn = frame[(frame["part"] == "attn_agreement") & (frame["pp"] == size)]
+        assert set(zip(attn["rank"], attn["variant"], strict=True)) == {(r, op) for r in (0, 1) for op in ATTN_OPS}
+    measured = pipe[pipe["metric"] == "step_ms"]["value"]
+    assert (measured > 0).all() and len(measured) == 2 * 4 * 3 * SMOKE["blocks"]
+    none = pipe[(pipe["variant"] != "relay") & (pipe["metric"] == "drain_us_per_step")]["value"]
+    assert (none == 0).all()  # only the relay drains
+    assert set(values[3]) >= {(s, v, "step_ms") for s in SCENARIOS for v in PP_VARIANTS}
+
+    out = tmp_path / "sync_cost.png"
+    panels = plot_sync_cost(frame, out)
+    assert panels == ["stages", "equal", "slow_last"]  # no part 1 here: its panel is left out, not drawn empty
+    assert Image.open(out).size[0] > 1000
