@@ -1,4 +1,6 @@
 # Two commands matter: `make demo` and `make test`. Both create .venv when it is missing.
+# Laptops: on Linux the default torch wheel from PyPI pulls the CUDA libraries (gigabytes); for the CPU build
+#   make TORCH_SPEC="torch==2.13.0 --index-url <PyTorch's CPU wheel index>" demo   (macOS wheels are CPU builds)
 # GPU users: make TORCH_SPEC="torch==2.11.0 --index-url <your CUDA wheel index>" demo
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
@@ -6,10 +8,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint notebooks clean
+.PHONY: demo test lint notebooks render clean
 
 $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "Installing into $(VENV) (minutes; quiet unless something fails; Mooncake or sglang failing only skips their parts)"
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev]'
@@ -26,7 +29,23 @@ test: $(STAMP)
 
 # Re-execute every notebook in place (quick mode, outputs kept for reading unrun).
 notebooks: $(STAMP)
-	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 \
+		--KernelManager.transport=ipc notebooks/*.ipynb
+
+# Render every notebook as committed (not re-executed) to runs/html/NN.html and, where Debian's chromium is
+# installed, screenshot each page (runs/html/NN.png): how a teacher checks the notebooks look right.
+render: $(STAMP)
+	$(PY) -m jupyter nbconvert --log-level ERROR --to html --output-dir runs/html notebooks/*.ipynb
+	@if command -v chromium >/dev/null 2>&1; then \
+		for page in runs/html/*.html; do \
+			chromium --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1100,16000 \
+				--screenshot="$(CURDIR)/$${page%.html}.png" "file://$(CURDIR)/$$page" 2>/dev/null; \
+		done; \
+		$(PY) -c "import glob; from PIL import Image, ImageOps; \
+			shots = sorted(glob.glob('runs/html/*.png')); \
+			[Image.open(f).crop((0, 0, 1100, ImageOps.invert(Image.open(f).convert('L')).getbbox()[3] + 40)).save(f) for f in shots]; \
+			print(*shots, sep='\\n')"; \
+	else echo "chromium is not installed: open runs/html/*.html in a browser"; fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -217,8 +217,6 @@ class StageLoop:
     # -- observation -------------------------------------------------------------------------------
 
     def _record(self, iteration: int, batch: Batch, start: float) -> StepRecord:
-        cache = self.scheduler.cache  # what its acks unlocked and its evictions took since the last record
-        unlocked, evicted = getattr(cache, "traced_unlocks", []), getattr(cache, "traced_evictions", [])
         prefill = batch.reqs if batch.kind == "prefill" else []
         extend = batch.forward.extend_lens if prefill else []
         record = StepRecord(
@@ -232,14 +230,10 @@ class StageLoop:
             acks_load=batch.acks[1],
             relay_sends=len(self.sync.work_list),
             relay_sent=self.sync.relay_sends_issued - self._relay_mark,
-            unlocked_nodes=unlocked[:],
-            evicted_nodes=evicted[:],
             prefix_lens=[r.kv_len - n for r, n in zip(prefill, extend, strict=True)],
             extend_lens=list(extend),
-            **cache.observe(),
+            **self.scheduler.cache.observe(),
         )
-        unlocked.clear()
-        evicted.clear()
         self._relay_mark = self.sync.relay_sends_issued
         self.records.append(record)
         if self.trace is not None:

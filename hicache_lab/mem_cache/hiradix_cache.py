@@ -51,6 +51,8 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         self.ongoing_load_back: dict[int, TreeNode] = {}
         self.ready = (0, 0)  # this rank's own view: leading (write, load) acks finished at the last check
         self._observed_writes = 0  # write tokens started as of the last step record
+        self._traced_unlocks: list[list[int]] = []  # [node id, tokens] unlocked by consumed acks since then
+        self._traced_evictions: list[list[int]] = []  # [node id, tokens] evicted from the device since then
 
     # -- insertion and write-through -----------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         nodes = [ongoing.pop(i) for ack in self.controller.pop_acks(queue, name, count) for i in ack.node_ids]
         for node in nodes:
             self.dec_lock_ref(node)
-        vars(self).setdefault("traced_unlocks", []).extend([n.id, len(n.key)] for n in nodes)  # unlocked_nodes
+        self._traced_unlocks.extend([n.id, len(n.key)] for n in nodes)
         return nodes
 
     def writing_check(self, count: int) -> None:
@@ -273,7 +275,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         if not node.backuped and self.cfg.write_policy == "write_back":
             self._write_back(node)
         freed = len(node.value)
-        vars(self).setdefault("traced_evictions", []).append([node.id, freed])  # StepRecord's evicted_nodes
+        self._traced_evictions.append([node.id, freed])
         self.device_alloc.free(node.value)
         if node.backuped:
             self.tree.set_device(node, None)
@@ -393,7 +395,9 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
     def observe(self) -> dict:
         started = self.controller.write_tokens_started
         written, self._observed_writes = started - self._observed_writes, started
-        return {**super().observe(), "host_write_tokens": written}
+        unlocked, evicted = self._traced_unlocks, self._traced_evictions
+        self._traced_unlocks, self._traced_evictions = [], []
+        return {**super().observe(), "host_write_tokens": written, "unlocked_nodes": unlocked, "evicted_nodes": evicted}
 
     def copy_check(self):
         return self.controller.copy_check

@@ -46,7 +46,7 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
         assert torch.equal(device.v[layer][back], device.v[layer][src])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run it on the device machine)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run the suite on a machine with one)")
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
 def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
