@@ -33,7 +33,7 @@ WRONG = [
     ("pp_sync", "world_group", TP2, "wrong_rank_space", "meaning stage 1, but there 1 is global rank 1"),
     ("pp_sync", "irecv_without_wait", PP2, "recv_not_waited", "irecv"),
     ("pp_sync", "receives_into_a_new_tensor", PP2, "recv_elsewhere", "into another tensor"),
-    ("pp_sync", "upstream", PP2, "backwards", "waits for stage 1"),
+    ("pp_sync", "upstream", PP2, "backwards", "StallError: no batch for"),
     ("pp_sync", "middle_stage_keeps_it", PP3, None, "a message no stage sent"),
     ("writing_check", "only_finished_here", PP2, "wrong_ack_count", "where every rank agreed on"),
     ("writing_check", "no_wait", PP2, "copy_not_waited", "the oracle found"),

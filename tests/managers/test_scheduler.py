@@ -84,6 +84,17 @@ def test_a_request_that_can_never_fit_fails_naming_the_flag(groups):
         s.schedule(0)
 
 
+def test_a_lock_no_one_releases_is_named_not_the_pool_size(groups):
+    """A node locked by no request and no copy (a lock taken and never released) keeps the pool full: the error
+    says so instead of asking for a larger pool."""
+    s = scheduler(groups, tokens=64)
+    leaked = served(s, list(range(40)))
+    s.cache.inc_lock_ref(leaked.last_node)
+    s.add([req(1, [100 + i for i in range(40)])])
+    with pytest.raises(PoolExhaustedError, match="tokens are locked with no request or copy holding them"):
+        s.schedule(2)
+
+
 def test_a_running_request_locks_its_prefix_until_it_finishes(groups):
     s = scheduler(groups)
     first = served(s, list(range(16)))
