@@ -21,8 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-P2P = ("send", "isend", "recv", "irecv")
+P2P = ("send", "isend", "recv", "irecv", "send_object_list", "recv_object_list")
+RECEIVES = ("recv", "irecv", "recv_object_list")
 COLLECTIVES = (
     "all_reduce",
     "barrier",
@@ -39,10 +41,7 @@ COLLECTIVES = (
     "scatter",
     "all_gather_object",
     "broadcast_object_list",
-    "send_object_list",
-    "recv_object_list",
-    "batch_isend_irecv",
-)
+)  # batch_isend_irecv is not here: its P2POps run through isend / irecv, which are
 
 # kind -> (fatal, why it is wrong). The exercise's verdicts and the table in docs/notebooks.md come from here.
 MISTAKES = {
@@ -194,8 +193,11 @@ def patch_torch_distributed() -> None:
             return call.observe(_name, _original, args, kwargs)
 
         routed._audited = True
-        routed.__doc__, routed.__name__ = original.__doc__, name
+        routed.__doc__, routed.__name__, routed.__qualname__ = original.__doc__, name, name
+        routed.__code__ = routed.__code__.replace(co_name=name)  # a stack or a timeout names the torch function
         setattr(dist, name, routed)
+        if getattr(c10d, name, None) is original:
+            setattr(c10d, name, routed)  # P2POp and batch_isend_irecv compare their op with c10d's isend / irecv
 
 
 def _group_ranks(group) -> list[int]:
@@ -219,7 +221,8 @@ class Call:
         self.audit, self.data = audit, data
         self.ops: list[dict] = []
         self.works: list[AuditedWork] = []
-        self.received: list[tuple[dict, torch.Tensor]] = []
+        self.received: list[tuple[dict, torch.Tensor]] = []  # (receive, the tensor it received into)
+        self.receives = 0  # receives of any kind, object lists included
         self.findings: list[dict] = []
         self.facts: dict = {}  # what the slot's rules looked at, for the log line
 
@@ -237,9 +240,9 @@ class Call:
         op = {"op": name, "group": self.audit.group_name(ranks), "stages": sorted({stage(r) for r in ranks})}
         tensor = params.get("tensor")
         if name in P2P:
-            receive = name in ("recv", "irecv")
+            receive = name in RECEIVES
             in_group, global_ = ("group_src", "src") if receive else ("group_dst", "dst")
-            peer, value = None, None
+            peer, value, space = None, None, None
             if params.get(in_group) is not None:
                 value, space = params[in_group], in_group
                 peer = ranks[value] if 0 <= value < len(ranks) else None
@@ -254,7 +257,7 @@ class Call:
                     f"rank {layout.rank} (stage {layout.pp_rank}) called {verb}, but {value} names no rank of that "
                     f"group (its global ranks: {ranks})",
                 )
-            elif value is not None and 0 <= value < layout.pp and stage(peer) != value and peer != layout.rank:
+            elif space == in_group and 0 <= value < layout.pp and stage(peer) != value and peer != layout.rank:
                 self.find(
                     "wrong_rank_space",
                     f"rank {layout.rank} (stage {layout.pp_rank}) called {verb}, meaning stage {value}, but there "
@@ -296,8 +299,10 @@ class Call:
         finally:
             op["ms"] = round(1e3 * (time.perf_counter() - start), 3)
             self.ops.append(op)
-        if name in ("recv", "irecv") and isinstance(tensor, torch.Tensor):
-            self.received.append((op, tensor))
+        if name in RECEIVES:
+            self.receives += 1
+            if isinstance(tensor, torch.Tensor):
+                self.received.append((op, tensor))
         if name in ("isend", "irecv") and result is not None:
             result = AuditedWork(result, op)
             self.works.append(result)
@@ -335,12 +340,11 @@ class Audit:
         return "world group" if len(ranks) == dist.get_world_size() else f"group of ranks {ranks}"
 
     def wrap(self, slot: str, fn, owner):
-        checks = {"pp_sync": self._after_pp_sync, "writing_check": None, "attn_groups": self._after_attn_groups}
-
         def audited(*args):
             n = self.calls[slot] = self.calls.get(slot, -1) + 1
             call = Call(self, args[0] if slot == "pp_sync" else None)
             before = self._before_writing_check(owner) if slot == "writing_check" else None
+            kept = list(owner.work_list) if slot == "pp_sync" else []  # the handles of earlier calls
             _active.call = call
             start = time.perf_counter()
             try:
@@ -355,8 +359,10 @@ class Audit:
             ms = 1e3 * (time.perf_counter() - start)
             if slot == "writing_check":
                 self._after_writing_check(call, owner, args[0], before)
+            elif slot == "pp_sync":
+                self._after_pp_sync(call, owner, args[0], kept)
             else:
-                checks[slot](call, owner, *args, value=value)
+                value = self._after_attn_groups(call, value)
             self._log(slot, n, ms, call)
             for finding in call.findings:
                 if MISTAKES[finding["kind"]][0]:
@@ -375,9 +381,16 @@ class Audit:
 
     # -- the rules of each slot ---------------------------------------------------------------------
 
-    def _after_pp_sync(self, call: Call, sync, data, value=None) -> None:
+    def _after_pp_sync(self, call: Call, sync, data, earlier: list) -> None:
         stage = self.layout.pp_rank
         kept = {id(w) for w in sync.work_list}
+        dropped = [w for w in earlier if id(w) not in kept and isinstance(w, AuditedWork) and not w.waited]
+        if dropped:
+            call.find(
+                "lost_send_handle",
+                f"stage {stage}'s pp_sync dropped {len(dropped)} handle(s) of earlier sends from self.work_list "
+                "(append to it: do not replace it)",
+            )
         for work in call.works:
             if work.op["op"] == "isend" and id(work) not in kept and not work.waited:
                 call.find("lost_send_handle", f"stage {stage}'s isend handle was not kept in self.work_list")
@@ -393,15 +406,17 @@ class Audit:
                     f"{data.tolist()}",
                 )
         crossed = any(len(op["stages"]) > 1 for op in call.ops)
-        if 0 < stage < sync.relay_stages and not call.received and not crossed:
+        if 0 < stage < sync.relay_stages and not call.receives and not crossed:
             call.find("no_receive", f"stage {stage} made no receive in pp_sync", data=data.tolist())
 
-    def _after_attn_groups(self, call: Call, sync, value=None) -> None:
+    def _after_attn_groups(self, call: Call, value) -> list:
+        """The groups `value` holds, as the list the caller gets (an iterator is read once, here)."""
         try:
-            rank_sets = [tuple(_group_ranks(group)) for group in value]
+            groups = list(value)
+            rank_sets = [tuple(_group_ranks(group)) for group in groups]
         except (TypeError, ValueError, RuntimeError):
             call.find("not_groups", f"attn_groups returned {value!r}")
-            return
+            return value
         for ranks in rank_sets:
             if len({self.stage(r) for r in ranks}) > 1:
                 call.find(
@@ -416,6 +431,7 @@ class Audit:
                     "missing_group",
                     f"attn_groups on rank {self.layout.rank} left out its {self.names[tuple(ranks)]} (ranks {ranks})",
                 )
+        return groups
 
     @staticmethod
     def _before_writing_check(cache) -> dict:

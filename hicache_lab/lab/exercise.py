@@ -22,6 +22,7 @@ script, a call of `check` returns at once).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import multiprocessing
@@ -75,8 +76,10 @@ def world_config(world: World, sync_impls: tuple[str, ...] = (), device: str = "
     """`world` on the divergence scenario of the tests (presets.WORLD: 3 layers, a 256-token device pool the
     conversations overflow by round 3, a host pool 3x larger). Not `quick`: twice the clients, rounds and pool."""
     larger = "" if quick else "--max-total-tokens 512 --num-clients 8 --num-rounds 8"
-    impls = " ".join(f"--sync-impl {spec}" for spec in sync_impls)
-    return config(WORLD, larger, world.flags, f"--device {device} --collective-timeout 6", impls)
+    cfg = config(WORLD, larger, world.flags, f"--device {device} --collective-timeout 6")
+    return dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=sync_impls)
+    )  # a path may hold spaces
 
 
 @dataclass
@@ -116,8 +119,17 @@ def audit_lines(out_dir: Path) -> list[dict]:
 
 
 def first_finding(lines: list[dict]) -> tuple[dict, dict] | None:
-    """(line, finding) of the earliest call with a finding; ties go to the lower stage."""
-    found = [(line["call"], line["stage"], line["rank"], i) for i, line in enumerate(lines) if line["findings"]]
+    """(line, finding) of the first call with a finding. A call is known by its slot and number (the same call
+    on every rank); calls are ordered by when the first rank left them, then by stage."""
+    first_end: dict[tuple, float] = {}
+    for line in lines:
+        key = (line["slot"], line["call"])
+        first_end[key] = min(first_end.get(key, line["end"]), line["end"])
+    found = [
+        (first_end[line["slot"], line["call"]], line["stage"], line["rank"], i)
+        for i, line in enumerate(lines)
+        if line["findings"]
+    ]
     if not found:
         return None
     line = lines[min(found)[3]]
@@ -208,8 +220,8 @@ def explain_run(summary: dict, lines: list[dict]) -> str | None:
         if "NotImplementedError" in error:
             stub = error.splitlines()[0].split("NotImplementedError: ")[-1]
             return f"not written yet: {stub} (your function still raises NotImplementedError; write it and run again)"
-        if "timed out" in error.lower() or "did not return" in error:
-            words.append(waiting_words(summary, lines))
+        if (stuck := stuck_receive(summary, lines)) is not None:
+            words.append(waiting_words(summary, lines, *stuck))
         else:
             words.append(f"rank {summary['failing_rank']} crashed: {error.splitlines()[0]}")
     elif summary["outputs_match_reference"] is False:
@@ -226,31 +238,34 @@ def explain_run(summary: dict, lines: list[dict]) -> str | None:
     return "; then ".join(words) or None
 
 
-def waiting_words(summary: dict, lines: list[dict]) -> str:
-    """A rank that waited past the collective timeout: for which message, and what the peer did in that call."""
+def stuck_receive(summary: dict, lines: list[dict]) -> tuple[dict, dict] | None:
+    """(line, receive) of a rank whose last audited call ended in a receive that waited most of the collective
+    timeout: the rank that waited, whichever rank the run's summary blames (its peers fail around it)."""
+    timeout_ms = 1e3 * summary["config"]["parallel"]["collective_timeout_s"]
+    last = {line["rank"]: line for line in lines}
+    for _, line in sorted(last.items()):
+        for op in line["ops"]:
+            if op["op"] in ("recv", "irecv", "recv_object_list") and op["ms"] >= 0.8 * timeout_ms:
+                return line, op
+    return None
+
+
+def waiting_words(summary: dict, lines: list[dict], line: dict, receive: dict) -> str:
+    """A receive that waited past the collective timeout: from whom, and what that peer did in the same call."""
     timeout = summary["config"]["parallel"]["collective_timeout_s"]
-    rank = summary["failing_rank"]
-    mine = [line for line in lines if line["rank"] == rank]
-    if not mine:
-        return f"rank {rank} waited {timeout:g} s for a peer that never answered: {summary['error'].splitlines()[0]}"
-    last = mine[-1]
-    receives = [op for op in last["ops"] if op["op"] in ("recv", "irecv") and op.get("peer") is not None]
-    if not receives:
-        return f"rank {rank} (stage {last['stage']}) waited {timeout:g} s in call {last['call']} of {last['slot']}"
-    peer = receives[-1]["peer"]
-    theirs = [line for line in lines if line["rank"] == peer and line["slot"] == last["slot"]]
-    same = next((line for line in theirs if line["call"] == last["call"]), None)
-    sent = [op for op in (same or {"ops": []})["ops"] if op["op"] in ("send", "isend") and op.get("peer") == rank]
-    did = (
-        "made no call"
-        if same is None
-        else f"sent to {sorted({op['peer'] for op in same['ops'] if op['op'] in ('send', 'isend')}) or 'no one'}"
+    rank, peer = line["rank"], receive.get("peer")
+    same = next(
+        (x for x in lines if x["rank"] == peer and x["slot"] == line["slot"] and x["call"] == line["call"]), None
     )
-    if sent:
+    sends = sorted(
+        {op["peer"] for op in (same or {"ops": []})["ops"] if op["op"] in ("send", "isend", "send_object_list")}
+    )
+    did = "made no such call" if same is None else f"sent to {sends or 'no one'}"
+    if rank in sends:
         return f"rank {rank} waited {timeout:g} s to receive from rank {peer}, which did send to it"
     return (
-        f"rank {rank} (stage {last['stage']}) waited {timeout:g} s in call {last['call']} of {last['slot']} to receive "
-        f"from rank {peer} (stage {receives[-1]['peer_stage']}), and in that call rank {peer} {did}: a message no "
+        f"rank {rank} (stage {line['stage']}) waited {timeout:g} s in call {line['call']} of {line['slot']} to receive "
+        f"from rank {peer} (stage {receive.get('peer_stage')}), and in that call rank {peer} {did}: a message no "
         "stage sent"
     )
 

@@ -84,8 +84,8 @@ class Scheduler:
 
     def _check_progress(self, acks: tuple[int, int]) -> None:
         """An idle step with requests waiting and none running: with no copy in flight nothing will ever free
-        room; with copies in flight whose acks are never consumed (STALL_STEPS idle steps and STALL_S seconds in a
-        row), nothing will either. Each ends the run saying which."""
+        room; with host copies in flight (no storage operation) whose acks are never consumed (STALL_STEPS idle
+        steps and STALL_S seconds in a row), nothing will either. Each ends the run saying which."""
         if not self.waiting or self.running:
             return
         req, cache = self.waiting[0], self.cache
@@ -101,6 +101,9 @@ class Scheduler:
             raise PoolExhaustedError(
                 f"request {req.rid} ({len(req.fill_ids)} tokens) can never fit the device pool: {held}"
             )
+        if cache.waits_on_storage():
+            self.stalled_since = None  # a prefetch or backup in flight may take long on a slow store: not a stall
+            return
         now = time.perf_counter()
         if self.stalled_since is None:
             self.stalled_since, self.idle_steps, self.acks_while_stalled = now, 0, 0

@@ -200,6 +200,10 @@ class BasePrefixCache(ABC):
         """Whether unconsumed copies still hold locks or requests (a stalled schedule may still move)."""
         return False
 
+    def waits_on_storage(self) -> bool:
+        """Whether a storage operation (a query, a prefetch, a backup) is still in flight: it may take long."""
+        return False
+
     def copy_check(self):
         """The record of consumed copies compared with their sources (`--check-outputs`), if any."""
         return None

@@ -210,9 +210,11 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         return self.ready
 
     def copies_in_flight(self) -> bool:
-        storage_busy = self.storage is not None and self.storage.busy()
         c = self.controller
-        return storage_busy or bool(c.write_queue or c.ack_write_queue or c.ack_load_queue)
+        return self.waits_on_storage() or bool(c.write_queue or c.ack_write_queue or c.ack_load_queue)
+
+    def waits_on_storage(self) -> bool:
+        return self.storage is not None and self.storage.busy()
 
     # -- storage -------------------------------------------------------------------------------------
 
