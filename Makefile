@@ -29,8 +29,7 @@ test: $(STAMP)
 
 # Re-execute every notebook in place (quick mode, outputs kept for reading unrun).
 notebooks: $(STAMP)
-	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 \
-		--KernelManager.transport=ipc notebooks/*.ipynb
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 notebooks/*.ipynb
 
 # Render every notebook as committed (not re-executed) to runs/html/NN.html and, where Debian's chromium is
 # installed, screenshot each page (runs/html/NN.png): how a teacher checks the notebooks look right.
