@@ -77,9 +77,8 @@ def world_config(world: World, sync_impls: tuple[str, ...] = (), device: str = "
     conversations overflow by round 3, a host pool 3x larger). Not `quick`: twice the clients, rounds and pool."""
     larger = "" if quick else "--max-total-tokens 512 --num-clients 8 --num-rounds 8"
     cfg = config(WORLD, larger, world.flags, f"--device {device} --collective-timeout 6")
-    return dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=sync_impls)
-    )  # a path may hold spaces
+    parallel = dataclasses.replace(cfg.parallel, sync_impls=sync_impls)  # not through `config`: a path may hold spaces
+    return dataclasses.replace(cfg, parallel=parallel)
 
 
 @dataclass
@@ -137,7 +136,7 @@ def first_finding(lines: list[dict]) -> tuple[dict, dict] | None:
 
 
 def stage_medians(out_dir: Path) -> dict[int, float]:
-    """Median step time (ms) of each stage's first rank, from the step trace."""
+    """Median step time (ms) of each rank, from the step trace."""
     steps: dict[int, list[float]] = {}
     for row in read_trace(out_dir):
         steps.setdefault(row["rank"], []).append(row["ms"])
