@@ -155,8 +155,11 @@ def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
     return impls
 
 
-SLOT_TARGETS = {"pp_sync": ("sync", "_pp_sync"), "writing_check": ("cache", "writing_check")}
-SLOT_TARGETS["attn_groups"] = ("sync", "_attn_groups")
+SLOT_TARGETS = {  # slot -> (whose method, its name)
+    "pp_sync": ("sync", "_pp_sync"),
+    "writing_check": ("cache", "writing_check"),
+    "attn_groups": ("sync", "_attn_groups"),
+}
 
 
 def install(impls: dict[str, tuple[str, Callable]], sync, cache, out_dir: Path | None = None) -> None:
