@@ -48,7 +48,7 @@ class Scheduler:
         self.page_size = cache.cfg.page_size
         self.waiting: list[Req] = []
         self.stalled_since: float | None = None  # first of the idle steps in a row with requests waiting
-        self.idle_steps = self.acks_while_stalled = 0
+        self.idle_steps = 0
         # Per micro-batch slot (SGLang's running_mbs): requests past their prefill, not finished; a request stays
         # in the slot whose batch ran its prefill, and decodes only when that slot comes round again.
         self.running_mbs: list[list[Req]] = [[] for _ in range(micro_batches)]
@@ -84,37 +84,35 @@ class Scheduler:
 
     def _check_progress(self, acks: tuple[int, int]) -> None:
         """An idle step with requests waiting and none running: with no copy in flight nothing will ever free
-        room; with host copies in flight (no storage operation) whose acks are never consumed (STALL_STEPS idle
-        steps and STALL_S seconds in a row), nothing will either. Each ends the run saying which."""
+        room; with host copies in flight (no storage operation) and no ack consumed for STALL_STEPS idle steps and
+        STALL_S seconds in a row, nothing will either. Each ends the run saying which."""
         if not self.waiting or self.running:
             return
         req, cache = self.waiting[0], self.cache
         if not cache.copies_in_flight():
-            alloc = cache.device_alloc
-            locked = alloc.size - alloc.available_size() - cache.tree.evictable_size()
+            pool = cache.cfg.max_total_tokens
+            locked = pool - cache.device_room()  # nothing runs and nothing is copied: no lock should be left
             held = (
-                f"{locked} of its {alloc.size} tokens are locked with no request or copy holding them (a lock "
-                "taken and never released: dec_lock_ref)"
+                f"{locked} of its {pool} tokens are locked with no request or copy holding them (a lock taken and "
+                "never released: dec_lock_ref)"
                 if locked
                 else "raise --max-total-tokens"
             )
             raise PoolExhaustedError(
                 f"request {req.rid} ({len(req.fill_ids)} tokens) can never fit the device pool: {held}"
             )
-        if cache.waits_on_storage():
-            self.stalled_since = None  # a prefetch or backup in flight may take long on a slow store: not a stall
-            return
         now = time.perf_counter()
+        if sum(acks) or cache.waits_on_storage():  # progress, or a slow store that may still answer: not a stall
+            self.stalled_since = None
+            return
         if self.stalled_since is None:
-            self.stalled_since, self.idle_steps, self.acks_while_stalled = now, 0, 0
+            self.stalled_since, self.idle_steps = now, 0
         self.idle_steps += 1
-        self.acks_while_stalled += sum(acks)
-        if self.idle_steps >= STALL_STEPS and now - self.stalled_since >= STALL_S and not self.acks_while_stalled:
-            ready = cache.ready if hasattr(cache, "ready") else ()
+        if self.idle_steps >= STALL_STEPS and now - self.stalled_since >= STALL_S:
             raise StallError(
                 f"no batch for {self.idle_steps} steps ({now - self.stalled_since:.0f} s) while request {req.rid} "
-                f"waits: copies stay in flight and no ack was consumed (this rank's own poll: {list(ready)} write "
-                "and load acks finished), so the nodes they lock never become evictable; the agreed counts stay 0"
+                "waits: copies stay in flight and no ack was consumed, so the nodes they lock never become "
+                "evictable; the agreed counts stay 0"
             )
 
     def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
