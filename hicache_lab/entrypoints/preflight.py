@@ -12,6 +12,7 @@ import torch
 from ..config import RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
+from ..mem_cache.hicache_storage import mooncake_missing
 from ..mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
 
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
@@ -23,6 +24,8 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
     m, c, p = cfg.model, cfg.cache, cfg.parallel
     if p.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
+    if c.storage_backend == "mooncake" and (why := mooncake_missing()):
+        raise ConfigError(f"--hicache-storage-backend mooncake: {why}; or use --hicache-storage-backend file")
     for path, flag in (
         (out_dir, "--out"),
         (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),

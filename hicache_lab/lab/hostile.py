@@ -51,6 +51,7 @@ class Hostile:
     owns: tuple[str, ...] = ("out",)  # what under the scratch directory the run may create, change or delete
     exact: bool = False  # the run completes: out/summary.json must say every output matches its reference
     slow: bool = False  # only in `soak --hostile`, not in `make test`
+    needs: Callable[[], str | None] = lambda: None  # why it cannot run on this machine (None: it can)
 
 
 CLASSES = {

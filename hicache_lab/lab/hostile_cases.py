@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import resource
@@ -22,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 from ..entrypoints.launch import free_ports
+from ..mem_cache.hicache_storage import mooncake_missing
 from .hostile import CLEAN_ENV, Hostile, Outcome, lab, processes, reap_session
 from .presets import WORKLOAD, WORLD
 
@@ -541,8 +541,14 @@ ORPHANS = [
         1,
         "interrupted by SIGINT after",
     ),
-    *[Hostile(5, "SIGKILL of the launcher of a run whose mooncake_master it started", _master_killed, -9, "")]
-    * bool(importlib.util.find_spec("mooncake")),
+    Hostile(
+        5,
+        "SIGKILL of the launcher of a run whose mooncake_master it started",
+        _master_killed,
+        -9,
+        "",
+        needs=mooncake_missing,
+    ),
 ]
 
 # -- 6. Lost or mixed files -----------------------------------------------------------------------------------

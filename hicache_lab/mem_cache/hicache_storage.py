@@ -27,11 +27,14 @@ corrupted or misnamed file (a valid page copied over another), or one that is no
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import stat
+import subprocess
+import sys
 import tempfile
 import threading
 from collections import Counter
@@ -165,6 +168,23 @@ class FileStorage:
         return None
 
 
+MOONCAKE_INSTALL = (
+    "pip install mooncake-transfer-engine-non-cuda, and the system library libibverbs1 (apt-get install libibverbs1)"
+)
+
+
+@functools.cache
+def mooncake_missing() -> str | None:
+    """Why Mooncake cannot run on this machine (None: it can). Its package may be installed while its import
+    fails: the client and `mooncake_master` need the system library libibverbs1. Probed in a subprocess, so
+    that a library that loads half-way never stays in this process."""
+    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True)
+    if probe.returncode == 0:
+        return None
+    lines = probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"]
+    return f"`import mooncake.store` fails here ({lines[-1]}): {MOONCAKE_INSTALL}"
+
+
 class MooncakeStorage:
     """Mooncake's distributed KV store, the L3 that SGLang users run (`mooncake-transfer-engine-non-cuda`;
     its import needs the system library `libibverbs1`). Pages travel zero-copy through one registered
@@ -178,10 +198,7 @@ class MooncakeStorage:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
-            raise RuntimeError(
-                "--hicache-storage-backend mooncake needs `pip install mooncake-transfer-engine-non-cuda` "
-                f"and the system library libibverbs1 (apt-get install libibverbs1): {exc}"
-            ) from exc
+            raise RuntimeError(f"--hicache-storage-backend mooncake needs {MOONCAKE_INSTALL}: {exc}") from exc
         self.store = MooncakeDistributedStore()
         segment = 2 * page_bytes * batch_pages
         global_segment = max(MOONCAKE_MIN_SEGMENT, 64 * segment)

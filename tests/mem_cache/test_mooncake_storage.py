@@ -18,6 +18,7 @@ import time
 import pytest
 
 from hicache_lab.lab.hostile import processes
+from hicache_lab.mem_cache.hicache_storage import mooncake_missing
 
 NETNS_SETUP = (
     "ip link set lo up && ip link add hcv0 type veth peer name hcv1 && "
@@ -32,10 +33,8 @@ STORAGE += "--hicache-storage-prefetch-policy wait_complete --check-outputs"
 def why_mooncake_cannot_run() -> str | None:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
         return "needs root with unshare and ip, to run Mooncake in a private network namespace"
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True)
-    if probe.returncode != 0:
-        hint = "pip install mooncake-transfer-engine-non-cuda; apt-get install libibverbs1"
-        return f"mooncake is not importable ({hint}): {probe.stderr.strip()[-200:]}"
+    if why := mooncake_missing():
+        return why
     netns = subprocess.run(["unshare", "-n", "sh", "-c", NETNS_SETUP], capture_output=True, text=True)
     if netns.returncode != 0:
         return f"cannot build a private network namespace here: {netns.stderr.strip()}"

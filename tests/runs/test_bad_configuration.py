@@ -97,6 +97,24 @@ def test_what_only_the_launcher_can_check_still_fails_before_any_rank_starts(arg
     assert message.format(file=a_file) in capsys.readouterr().err
 
 
+def test_mooncake_where_it_cannot_run_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """Where Mooncake cannot run (its package or the system library libibverbs1 missing), a run on it is refused
+    naming what to install; where it can, the same flags pass the check that refuses them."""
+    from hicache_lab.__main__ import main
+    from hicache_lab.mem_cache.hicache_storage import mooncake_missing
+
+    flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+    if why := mooncake_missing():
+        assert main(["run", *flags, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "--hicache-storage-backend mooncake: `import mooncake.store` fails here" in err, err
+        assert "libibverbs1" in err and "pip install mooncake-transfer-engine-non-cuda" in err and why in err
+        assert not (tmp_path / "out").exists()  # refused before the run claimed its directory
+    else:
+        cfg = RunConfig(cache=CacheConfig(enable_hierarchical_cache=True, storage_backend="mooncake"))
+        preflight.preflight(cfg, tmp_path / "out")
+
+
 # -- every field of every config dataclass, and the values no flag type stops -----------------------------------
 
 
