@@ -71,7 +71,7 @@ from bench.agreement_primitives import measure_primitives, report_primitives, sp
 from bench.common import RESULTS, code_state, machine_info, ratio, usable_cpus, write_csv
 from hicache_lab.config import SYNC_MODES, RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.binders import run
 from hicache_lab.managers.step_trace import read_trace
 
 BATCH_FIELDS = ("kind", "requests", "extend_tokens", "prefix_tokens")  # equal in two runs: same batch

@@ -21,7 +21,7 @@ import torch
 
 from bench.common import RESULTS, write_csv
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.binders import run
 
 
 def main() -> None:

@@ -39,7 +39,7 @@ import torch
 from bench.common import RESULTS, check, machine_info, ratio
 from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.binders import run
 from hicache_lab.mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
 
 REALISTIC = {

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from bench.common import check
-from hicache_lab.lab.sglang_cpu import prepare_imports, quiet_imports
+from hicache_lab.lab.sglang.cpu import prepare_imports, quiet_imports
 from hicache_lab.mem_cache.radix_tree import Key
 
 

@@ -18,7 +18,7 @@ from empty:
   longest first, insert adds every prefix, evict drops least recently inserted whole sequences (a prefix
   goes when no remaining sequence holds it);
 * sglang - SGLang's own `RadixCache` (`sglang.srt.mem_cache.radix_cache`) if `sglang` imports (0.5.23, the
-  `sglang` extra, imports beside a CPU torch through `hicache_lab.lab.sglang_cpu`); its API differs between
+  `sglang` extra, imports beside a CPU torch through `hicache_lab.lab.sglang.cpu`); its API differs between
   versions, so it is probed on a tiny example first and reported "skipped: <reason>" when nothing fits.
   Where its `match_prefix` returns only a length (newer versions), the timed match also fetches the slots
   (`path_device_indices`) so that every implementation does the same work: the prefix and its slots.
@@ -57,7 +57,7 @@ from bench.radix_profile import profile_lab
 from bench.radix_replay import OPERATIONS, KeyStream, bench_page_size
 from bench.radix_sglang import probe_sglang
 from hicache_lab.config import ModelConfig, WorkloadConfig
-from hicache_lab.lab.sglang_cpu import sglang_version
+from hicache_lab.lab.sglang.cpu import sglang_version
 from hicache_lab.managers.workload import MultiTurnWorkload
 
 # -- the keys -------------------------------------------------------------------------------------------

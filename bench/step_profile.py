@@ -4,7 +4,7 @@ stages, the scheduler's own work, the lab's bookkeeping, and what none of them c
 Each run is the demo's (`python -m hicache_lab demo`: the default workload, model and `--latency virtual`,
 `--sync fixed`) at each of `--pp-sizes` with each of `--tiers` (L1 only; L1 + L2), launched as the lab always
 launches a world (`entrypoints/launch.run`: spawned gloo ranks, one process per rank; one rank runs in this
-process). `HICACHE_LAB_STEP_TIMER=1` makes every rank time its steps (hicache_lab/managers/step_timer.py, which
+process). `step_timer.TIMER`, given to the run, makes every rank time its steps (bench/step_timer.py, which
 says what each category holds): exclusive time of the calls the event loop makes, accumulated over the whole
 `StageLoop.run`, so the categories sum to the loop's time exactly and `unattributed` is the loop's own code (and
 part of the timers' cost). A step here is one iteration of the loop: requests in, schedule, forward, results
@@ -30,7 +30,6 @@ category and of each timed call) and step_profile.csv (one row per run, rank or 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -40,36 +39,22 @@ import time
 from pathlib import Path
 
 from bench.common import RESULTS, check, code_state, machine_info, ratio, usable_cpus, write_csv
+from bench.step_timer import CATEGORIES, TIMER
 from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
-from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import WorldEnd, read_results
-from hicache_lab.managers.step_timer import CATEGORIES, ENV
+from hicache_lab.lab.binders import run
 
 TIERS = {"L1": False, "L1+L2": True}  # --tiers name -> enable_hierarchical_cache
 CSV_FIELDS = ["pp", "tiers", "rank", "category", "ms_per_step", "share", "steps", "loop_s", "wall_s"]
 TOP_CALLS = 6  # the costliest timed calls printed per category
 
 
-@contextlib.contextmanager
-def timed_steps():
-    """Ranks started inside time their steps (spawned ranks inherit the environment)."""
-    previous = os.environ.get(ENV)
-    os.environ[ENV] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ[ENV]
-        else:
-            os.environ[ENV] = previous
-
-
 def profile_run(cfg: RunConfig) -> dict:
     """One run of `cfg` with its steps timed: the launcher's wall time, each rank's `StepTimer.report()` and
     their mean (`mean_of_ranks`). A run that does not complete is an error: its steps are not the workload's."""
-    with timed_steps(), tempfile.TemporaryDirectory() as scratch:
-        summary = run(cfg, Path(scratch), verbose=False)
+    with tempfile.TemporaryDirectory() as scratch:
+        summary = run(cfg, Path(scratch), verbose=False, more=(TIMER,))
         results = read_results(Path(scratch), WorldEnd(summary["run_id"]), cfg.parallel.world_size)
     check(summary["completed"], f"the run did not complete: {summary['error']}")
     ranks = [r["step_time"] for r in results]

@@ -16,14 +16,15 @@ from .entrypoints.launch import run, run_under_torchrun
 from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate
 from .errors import ConfigError
-from .lab.conformance import add_conform_flags, cmd_conform
-from .lab.exercise import add_exercise_flags, cmd_exercise
-from .lab.exhaustive import add_exhaustive_flags, cmd_exhaustive
-from .lab.figures import add_figures_flags, cmd_figures
-from .lab.plots import plot_hit_rates, plot_queue_divergence
-from .lab.sglang import compare_with_sglang, read_bench_multiturn
-from .lab.soak import add_soak_flags, cmd_soak
-from .lab.zoo import add_zoo_flags, cmd_zoo
+from .lab.binders import LAB
+from .lab.check.exhaustive import add_exhaustive_flags, cmd_exhaustive
+from .lab.check.soak import add_soak_flags, cmd_soak
+from .lab.check.zoo import add_zoo_flags, cmd_zoo
+from .lab.figures.plots import plot_hit_rates, plot_queue_divergence
+from .lab.figures.regenerate import add_figures_flags, cmd_figures
+from .lab.sglang.conformance import add_conform_flags, cmd_conform
+from .lab.sglang.source import compare_with_sglang, read_bench_multiturn
+from .lab.teach.exercise import add_exercise_flags, cmd_exercise
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -65,11 +66,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     sglang = read_bench_multiturn(args.compare_sglang) if args.compare_sglang else None  # a bad log fails first
     if started_by_torchrun(os.environ):
-        summary = run_under_torchrun(cfg, Path(args.out))
+        summary = run_under_torchrun(cfg, Path(args.out), LAB)
         if summary is None:
             return 0
     else:
-        summary = run(cfg, Path(args.out))
+        summary = run(cfg, Path(args.out), binders=LAB)
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
     if sglang is not None:
         compare_with_sglang(summary, sglang, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
@@ -102,7 +103,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             parallel=dataclasses.replace(base.parallel, sync=sync),
         )
         print(f"\n=== {label}  (--pp {cfg.parallel.pp} --sync {sync}) ===")
-        summaries[name] = run(cfg, out / name)
+        summaries[name] = run(cfg, out / name, binders=LAB)
     bound = mean_hit_rate(summaries["l1_only"]["rounds"], 4, 7, key="upper_bound_hit_rate")
     print(f"\nmean hit rate, rounds 4-7 (infinite cache: {bound:.1%}):")
     for name, label, _, _ in DEMO_RUNS:

@@ -31,8 +31,8 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..distributed.parallel_state import RankLayout
 from ..errors import ConfigError
+from .binders import Binder, check_all
 from .ending import Interrupted, SignalGuard, die_with_parent, master_preexec, process_state
-from .hooks import resolve
 from .outdir import Claim, OutputError
 from .preflight import preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
@@ -42,12 +42,18 @@ GRACE_S = 2.0  # after the first rank fails (or a signal), how long the others g
 
 
 def _rank(
-    cfg: RunConfig, rank: int, store: Callable[[], dist.Store | None], out_dir: Path, run_id: str | None, guard
+    cfg: RunConfig,
+    rank: int,
+    store: Callable[[], dist.Store | None],
+    out_dir: Path,
+    run_id: str | None,
+    guard,
+    binders: tuple[Binder, ...],
 ) -> dict:
     """`run_rank` on the store `store()` makes; a rank that could not join the world (a peer that never came: a
     timeout, a symptom) or was interrupted while joining still leaves a result."""
     try:
-        return run_rank(cfg, rank, store(), out_dir, run_id, guard)
+        return run_rank(cfg, rank, store(), out_dir, run_id, guard, binders)
     except ConfigError:
         raise
     except Interrupted as exc:
@@ -72,7 +78,9 @@ def exit_code(result: dict) -> int:
     return 0 if result["completed"] else 1
 
 
-def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, parent: int) -> None:
+def _rank_main(
+    cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, parent: int, binders: tuple[Binder, ...]
+) -> None:
     """A spawned rank: it dies with the launcher (`parent`), and leaves at once (os._exit) when it did not
     complete, since peers may be blocked on it (the launcher stops them)."""
     die_with_parent(parent)
@@ -84,7 +92,7 @@ def _rank_main(cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str,
 
     with SignalGuard() as guard:
         try:
-            result = _rank(cfg, rank, store, out_dir, run_id, guard)
+            result = _rank(cfg, rank, store, out_dir, run_id, guard, binders)
         except OutputError as exc:  # its result could not be written: the launcher finds none
             print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -126,14 +134,14 @@ def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | 
     return [proc.exitcode for proc in procs]
 
 
-def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str) -> WorldEnd:
+def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str, binders: tuple[Binder, ...] = ()) -> WorldEnd:
     """Start every rank as a process (each dies with this one); once one fails, stop the rest after GRACE_S
     seconds. On SIGINT/SIGTERM (`Interrupted`) every rank is asked to end (SIGTERM: each writes what it has), and
     what is left after GRACE_S is stopped. The WorldEnd holds the exit codes of the ranks that failed first, on
     their own (not those the launcher stopped), and what each rank the launcher stopped was doing."""
     ctx = multiprocessing.get_context("spawn")
     server = serve_store(cfg.parallel.collective_timeout_s)
-    args = (out_dir, run_id, os.getpid())
+    args = (out_dir, run_id, os.getpid(), binders)
     procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(cfg.parallel.world_size)]
     end, failed_at = WorldEnd(run_id), None
     try:
@@ -181,11 +189,12 @@ def _stop(procs: list) -> dict[int, str]:
     return stopped
 
 
-def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> dict:
+def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binders: tuple[Binder, ...] = ()) -> dict:
     """Run the workload on the whole world; returns (and writes) the merged summary. `out_dir` (None: a scratch
-    directory) is the run's own while it runs (outdir.Claim)."""
+    directory) is the run's own while it runs (outdir.Claim). `binders` attach tooling to every rank
+    (binders.py); a lab field none of them serves is a ConfigError, before any rank starts."""
     started = time.perf_counter()
-    resolve(cfg.parallel.sync_impls)  # a --sync-impl that cannot load fails here, before any rank starts
+    check_all(cfg, binders)
     preflight(cfg, out_dir)
     with contextlib.ExitStack() as stack:
         out = Path(out_dir) if out_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -202,10 +211,10 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True) -> di
 
         guard.owe(lambda name: print_summary(summary(WorldEnd(run_id, interrupted=name))))  # main thread stuck
         if cfg.parallel.world_size == 1:
-            result = _rank(cfg, 0, dist.HashStore, out, run_id, guard)
+            result = _rank(cfg, 0, dist.HashStore, out, run_id, guard, binders)
             end = WorldEnd(run_id, interrupted=result.get("interrupted"))
         else:
-            end = spawn_world(cfg, out, run_id)
+            end = spawn_world(cfg, out, run_id, binders)
         guard.finish()
         merged = summary(end)
     if verbose:
@@ -218,7 +227,7 @@ def _stop_master(master: subprocess.Popen) -> None:
     master.wait()
 
 
-def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
+def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...] = ()) -> dict | None:
     """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 owns the output
     directory and summarizes, even when a rank died (torchrun then SIGTERMs the others: rank 0 writes the summary
     before it leaves); the others write only once they met rank 0 (its run id)."""
@@ -228,7 +237,7 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
     if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
         raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
     die_with_parent(os.getppid())  # torchrun's agent: no rank outlives it
-    resolve(cfg.parallel.sync_impls)
+    check_all(cfg, binders)
     preflight(cfg, out_dir)
     started = time.perf_counter()
     with contextlib.ExitStack() as stack:
@@ -237,7 +246,7 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path) -> dict | None:
         if rank == 0:
             end = WorldEnd(run_id)
             guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
-        result = _rank(cfg, rank, lambda: None, out_dir, run_id, guard)  # no store: env:// (MASTER_ADDR/PORT)
+        result = _rank(cfg, rank, lambda: None, out_dir, run_id, guard, binders)  # no store: env:// (MASTER_ADDR/PORT)
         if rank != 0:
             if not result["completed"]:
                 os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them

@@ -1,4 +1,4 @@
-"""One rank: its parts wired together (`build_stage`), run start to end, and its result written (`run_rank`)."""
+"""One rank: its parts wired together (`build_rank`), run start to end, and its result written (`run_rank`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,17 +22,15 @@ from ..distributed.parallel_state import Groups, RankLayout, build_groups, get_a
 from ..errors import ConfigError
 from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
-from ..managers.step_timer import StepTimer
 from ..managers.step_trace import TraceWriter, trace_path
 from ..managers.workload import Feeder, make_workload
 from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, is_storage_writer, storage_suffix
-from ..mem_cache.recording import RecordingCache, ops_path
 from ..model import TinyModel
 from .args import FLAGS
+from .binders import Binder, RankParts
 from .ending import Interrupted, SignalGuard
-from .hooks import Chances, install, install_faults, resolve
 from .oracle import check_outputs
 from .outdir import cannot_write, write_file
 from .report import round_rows, scheduling_counts, write_requests
@@ -41,13 +40,12 @@ PEER_LOST = ("Timed out", "wait timeout", "Connection reset by peer", "Connectio
 
 
 @dataclass
-class Stage:
-    """One rank's parts, as `run_rank` needs them after the run."""
+class Built:
+    """One rank, built: what `run_rank` needs of it after the run."""
 
     loop: StageLoop
-    cache: BasePrefixCache
-    faults: list[Chances]  # the faults this rank was asked to inject, each counting its chances
-    timer: StepTimer | None = None  # where its steps spend their time, when asked (managers/step_timer.py)
+    cache: BasePrefixCache  # what the scheduler asks: the cache, or what a binder put in front of it
+    reports: list[Callable[[], dict]]  # what the binders add to the rank's result
 
 
 def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, directory: Path) -> StorageBackend:
@@ -67,8 +65,9 @@ def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, d
     return backend
 
 
-def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
-    """Model, cache (mem_cache/build.py), scheduler and event loop of one rank, with the hooks its flags ask for."""
+def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Binder, ...] = ()) -> Built:
+    """Model, cache (mem_cache/build.py), scheduler and event loop of one rank, and what `binders` bind into them
+    (entrypoints/binders.py)."""
     m, c, p, layout = cfg.model, cfg.cache, cfg.parallel, groups.layout
     layers = stage_layers(m.num_layers, p.pp, layout.pp_rank, p.pp_layer_partition)
     cp_size = get_attn_cp_rank_and_size(groups)[1]
@@ -87,16 +86,17 @@ def build_stage(cfg: RunConfig, groups: Groups, out_dir: Path) -> Stage:
     if c.storage_backend != "none":
         backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
     pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
-    asked = RecordingCache(cache, ops_path(out_dir, layout.rank), layout.rank) if cfg.record_cache_ops else cache
+    asked = cache
+    for binder in binders:
+        asked = binder.wrap_cache(cfg, asked, out_dir, layout.rank)
     w = cfg.workload
     scheduler = Scheduler(asked, w.max_running_requests, w.chunk_size, w.max_prefill_tokens, p.micro_batches, p.pp)
-    install(resolve(p.sync_impls), sync, cache, out_dir)
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
     trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
-    faults = install_faults(cfg, layout.rank, cache, loop)
-    timer = StepTimer.attach(loop) if StepTimer.requested() else None  # last: it times what faults replaced
-    return Stage(loop, asked, faults, timer)
+    parts = RankParts(layout.rank, sync, cache, loop)
+    reports = [report for binder in binders if (report := binder.bind(cfg, parts, out_dir)) is not None]
+    return Built(loop, asked, reports)
 
 
 def meet(cfg: RunConfig, out_dir: Path, run_id: str | None) -> list[dict]:
@@ -147,7 +147,13 @@ def agree_on_config(every: list[dict]) -> None:
 
 
 def run_rank(
-    cfg: RunConfig, rank: int, store: dist.Store | None, out_dir: Path, run_id: str | None, guard: SignalGuard
+    cfg: RunConfig,
+    rank: int,
+    store: dist.Store | None,
+    out_dir: Path,
+    run_id: str | None,
+    guard: SignalGuard,
+    binders: tuple[Binder, ...] = (),
 ) -> dict:
     """One rank, start to end: returns (and writes) its result; never raises for a failure of the run. `run_id`:
     the run's (None where only rank 0 knows it: torchrun); the ranks agree on rank 0's at start and write it into
@@ -164,18 +170,18 @@ def run_rank(
     layout = RankLayout(p.tp, p.cp, p.pp, rank)
     result = new_result(rank, layout, every[0]["run_id"])  # rank 0's id: under torchrun only it knows the run's
     result["peers"] = {str(r): e["pid"] for r, e in enumerate(every) if e["host"] == socket.gethostname()}
-    stage = None
+    built = None
     try:
-        stage = build_stage(cfg, build_groups(layout, p), out_dir)
-        guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), stage, closing=False))
-        stage.loop.run()
+        built = build_rank(cfg, build_groups(layout, p), out_dir, binders)
+        guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), built, closing=False))
+        built.loop.run()
         result["completed"] = True
     except Interrupted as exc:
         record_interrupt(result, exc.name)
     except Exception as exc:  # a crash is a result: it goes in the summary
         record_crash(result, exc, p.collective_timeout_s, out_dir)
     guard.finish()
-    _write(cfg, out_dir, result, stage, closing=True)
+    _write(cfg, out_dir, result, built, closing=True)
     if result["completed"] or p.world_size == 1:
         dist.destroy_process_group()  # else peers may be blocked on us: the caller leaves at once (os._exit)
     return result
@@ -216,23 +222,21 @@ def write_result(out_dir: Path, result: dict) -> None:
     write_file(out_dir / f"rank{result['rank']}.json", json.dumps(result, indent=1) + "\n")
 
 
-def _write(cfg: RunConfig, out_dir: Path, result: dict, stage: Stage | None, closing: bool) -> None:
+def _write(cfg: RunConfig, out_dir: Path, result: dict, built: Built | None, closing: bool) -> None:
     """What the rank did, into its result (and, rank 0, the request log), then `write_result`. `closing`: the
     main thread's own end (it closes the cache and checks outputs); else a signal found it stuck."""
     p = cfg.parallel
-    if stage is not None:
-        loop, cache = stage.loop, stage.cache
+    if built is not None:
+        loop, cache = built.loop, built.cache
         loop.trace.close()
         result.update(cache.summary())
-        if stage.faults:
-            result["faults"] = [f.record() for f in stage.faults]
+        for report in built.reports:
+            result.update(report())
         if closing:
             cache.close()
         answered = [r for r in loop.reqs if r.finished]
         result["rounds"] = round_rows(answered, loop.records)
         result["scheduling"] = scheduling_counts(loop)
-        if stage.timer is not None:
-            result["step_time"] = stage.timer.report()
         if result["rank"] == 0:
             write_requests(out_dir, loop.reqs)
         if closing and cfg.check_outputs and result["completed"]:

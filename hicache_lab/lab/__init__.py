@@ -1,2 +1,15 @@
-"""Lab tooling: what exists to teach or to test (the tour, exercises, bug zoo, soak, exhaustive check, figures,
-plots, SGLang side by side, presets). Only `hicache_lab.__main__` imports it; nothing in the core does."""
+"""The lab's wing: what exists to teach, to check or to draw, beside the core it plugs into through one seam
+(entrypoints/binders.py). Its rooms, bottom up, each importing only from the ones before it:
+
+* `presets` - the worlds tools and tests run, as `run` flags;
+* `sglang/` - SGLang 0.5.23 as the reference: importing it on CPU (`cpu`), its own cache driven by the lab's
+  scheduler (`cache`), the cache-op recorder (`recording`), the conformance replay (`conformance`), its source
+  and bench_multiturn logs beside the lab's (`source`);
+* `check/` - what shows the lab is right: faults (`faults`), the bug zoo (`zoo`), the soak (`soak`), the
+  exhaustive timings (`exhaustive`), hostile input (`hostile/`);
+* `teach/` - what a student runs: the tour (`tour`), the causal chain (`chain`), `--sync-impl` (`sync_impl`)
+  and its audit (`sync_audit`), the exercise and its check (`exercise`);
+* `figures/` - the figures, one module per family, and `python -m hicache_lab figures` (`regenerate`);
+* `binders` - everything the lab binds into a run, for `python -m hicache_lab run`.
+
+Nothing below `lab/` imports it: `hicache_lab.__main__`, `bench/` and the tests do."""

@@ -1,3 +1,3 @@
-"""Serving around the cache: requests and micro-batches (`schedule_batch`), one rank's scheduling
-(`scheduler`), the pipeline-parallel event loop (`scheduler_pp`), workloads and the per-step record
-(`step_trace`). SGLang: `python/sglang/srt/managers/`."""
+"""Serving around the cache: requests and micro-batches (`schedule_batch`), the prefill batch's budgets
+(`schedule_policy`), one rank's scheduling (`scheduler`), the pipeline-parallel event loop (`scheduler_pp`),
+workloads (`workload`) and the per-step record (`step_trace`). SGLang: `python/sglang/srt/managers/`."""

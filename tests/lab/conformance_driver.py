@@ -15,8 +15,8 @@ import torch
 
 from hicache_lab.config import CacheConfig, ParallelConfig
 from hicache_lab.distributed.cache_sync import CacheSync
+from hicache_lab.lab.sglang.recording import RecordingCache
 from hicache_lab.mem_cache.build import KVShape, build_cache
-from hicache_lab.mem_cache.recording import RecordingCache
 
 DEVICE_TOKENS = 128
 NEW_TOKENS = 5  # a request's new tokens per `pages`, rounded up to whole pages (so host hits of 10 tokens occur)

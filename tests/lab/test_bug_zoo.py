@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hicache_lab.lab.zoo import ENTRIES, consistent, reproduce
+from hicache_lab.lab.check.zoo import ENTRIES, consistent, reproduce
 
 
 @pytest.mark.parametrize("name", ENTRIES)

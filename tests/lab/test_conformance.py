@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES
-from hicache_lab.lab.conformance import replay
-from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
+from hicache_lab.lab.sglang.conformance import replay
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
 from hicache_lab.mem_cache import radix_tree
 from hicache_lab.mem_cache.cache_controller import HiCacheController
 from hicache_lab.mem_cache.hiradix_cache import HiRadixCache

@@ -1,4 +1,4 @@
-"""The exercise's check (`hicache_lab.lab.exercise`) rejects every wrong answer in teaching/mistakes/ with the
+"""The exercise's check (`hicache_lab.lab.teach.exercise`) rejects every wrong answer in teaching/mistakes/ with the
 cause it names (the audit's kind of mistake, or what the run shows), and accepts two different right answers
 on every world. Each wrong answer runs on the one world that shows its mistake (`check(worlds=...)`), so that
 the suite stays quick; `python -m hicache_lab exercise` runs them all in turn."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.entrypoints.sync_audit import MISTAKES
-from hicache_lab.lab.exercise import EXAMPLES, WORLDS, check, mistakes_table
+from hicache_lab.lab.teach.exercise import EXAMPLES, WORLDS, check, mistakes_table
+from hicache_lab.lab.teach.sync_audit import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[2]
 TEACHING = ROOT / "teaching"
@@ -89,7 +89,7 @@ OTHER_ANSWERS = textwrap.dedent(
     """
     import torch.distributed as dist
 
-    from hicache_lab.lab.exercise import WORLDS, check
+    from hicache_lab.lab.teach.exercise import WORLDS, check
 
 
     def star(self, data):

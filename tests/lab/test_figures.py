@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from hicache_lab.lab.chain import find_chain
-from hicache_lab.lab.figures import FILES
+from hicache_lab.lab.figures.regenerate import FILES
+from hicache_lab.lab.teach.chain import find_chain
 from hicache_lab.managers.step_trace import read_trace
 
 

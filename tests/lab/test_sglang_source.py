@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from hicache_lab.lab.sglang_cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
 
 NAMES = ("_pp_sync", "_all_reduce", "writing_check", "loading_check", "_create_sync_groups")
 
 
 def found_in_a_fresh_interpreter(names: tuple[str, ...]) -> dict[str, int]:
     code = (
-        "import json, sys; from hicache_lab.lab.sglang import sglang_methods; "
+        "import json, sys; from hicache_lab.lab.sglang.source import sglang_methods; "
         f"found = sglang_methods({names!r}); print(json.dumps({{k: len(v) for k, v in (found or {{}}).items()}}))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

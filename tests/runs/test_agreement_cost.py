@@ -7,7 +7,7 @@ import pandas as pd
 from PIL import Image
 
 from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, measure_primitives
-from hicache_lab.lab.plots import plot_sync_cost
+from hicache_lab.lab.figures.plots import plot_sync_cost
 
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
 

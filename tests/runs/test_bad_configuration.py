@@ -344,7 +344,7 @@ RUN_LOG = {"tag": "sglang", "summary": {"cache_hit_rate": 0.4}}
     ],
 )
 def test_a_bad_bench_multiturn_line_is_refused_field_by_field(tmp_path, line, message):
-    from hicache_lab.lab.sglang import read_bench_multiturn
+    from hicache_lab.lab.sglang.source import read_bench_multiturn
 
     log = _write(tmp_path / "log.jsonl", RUN_LOG, line)
     with pytest.raises(ConfigError, match=re.escape(f"bench_multiturn log {log}:2: ") + ".*" + re.escape(message)):
@@ -352,7 +352,7 @@ def test_a_bad_bench_multiturn_line_is_refused_field_by_field(tmp_path, line, me
 
 
 def test_a_bench_multiturn_run_without_rounds_keeps_its_summary(tmp_path):
-    from hicache_lab.lab.sglang import read_bench_multiturn
+    from hicache_lab.lab.sglang.source import read_bench_multiturn
 
     log = _write(
         tmp_path / "log.jsonl", {**RUN_LOG, "round": {}}, {"summary": {"cache_hit_rate": 0.2, "average_ttft": None}}
@@ -368,7 +368,7 @@ def test_a_bench_multiturn_run_without_rounds_keeps_its_summary(tmp_path):
 
 
 def test_exhaustive_timings_are_found_copy_by_copy_as_the_product_found_them():
-    from hicache_lab.lab.exhaustive import completion_steps, count_timings, timings
+    from hicache_lab.lab.check.exhaustive import completion_steps, count_timings, timings
 
     for copies in range(5):
         for max_delay in range(5):
@@ -390,7 +390,7 @@ def test_exhaustive_timings_are_found_copy_by_copy_as_the_product_found_them():
     ],
 )
 def test_exhaustive_refuses_work_past_its_bound_before_enumerating(stages, copies, max_delay, message):
-    from hicache_lab.lab.exhaustive import check_work
+    from hicache_lab.lab.check.exhaustive import check_work
 
     started = time.monotonic()
     with pytest.raises(ConfigError, match=re.escape(message)):

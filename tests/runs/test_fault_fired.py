@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from hicache_lab.entrypoints.hooks import Chances
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.binders import run
+from hicache_lab.lab.check.faults import Chances
 from hicache_lab.lab.presets import WORKLOAD
 
 

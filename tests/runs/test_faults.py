@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import WorldEnd, blame
+from hicache_lab.lab.binders import run
 
 SMALL = (
     "--num-layers 3 --max-total-tokens 256 --hicache-ratio 3 --num-clients 4 --num-rounds 3 --request-length 32 "

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.lab.hostile import judge, table
-from hicache_lab.lab.hostile_cases import CASES
+from hicache_lab.lab.check.hostile.cases import CASES
+from hicache_lab.lab.check.hostile.judge import judge, table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

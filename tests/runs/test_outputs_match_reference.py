@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_lab.config import WRITE_POLICIES
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.lab.binders import run
 
 CASES = [(False, "write_through")] + [(True, policy) for policy in WRITE_POLICIES]
 

@@ -1,4 +1,4 @@
-"""The step profile (bench/step_profile.py, hicache_lab/managers/step_timer.py): exclusive times nest right, every
+"""The step profile (bench/step_profile.py, bench/step_timer.py): exclusive times nest right, every
 category is there and the categories partition the loop, and nothing is timed unless asked."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import sys
 import threading
 
 from bench import step_profile
+from bench.step_timer import CATEGORIES, StepTimer
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.lab.presets import WORKLOAD
-from hicache_lab.managers.step_timer import CATEGORIES, ENV, StepTimer
 
 
 class Clock:
@@ -90,7 +90,6 @@ def test_every_rank_splits_its_steps_into_the_categories_at_pp_1_and_2(tmp_path,
     assert {r["category"] for r in rows} == set(CATEGORIES)
 
 
-def test_steps_are_not_timed_unless_asked(small_config, tmp_path, monkeypatch):
-    monkeypatch.delenv(ENV, raising=False)
+def test_steps_are_not_timed_unless_asked(small_config, tmp_path):
     run(small_config(check_outputs=False), tmp_path, verbose=False)
     assert "step_time" not in json.loads((tmp_path / "rank0.json").read_text())

@@ -29,8 +29,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import FancyArrowPatch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from ..managers.step_trace import read_trace  # noqa: E402
-from .plots import OTHER_COLORS, crash_what, save_figure  # noqa: E402
+from ...managers.step_trace import read_trace  # noqa: E402
+from ..figures.plots import OTHER_COLORS, crash_what, save_figure  # noqa: E402
 
 PHASES = ("ack", "unlock", "admit", "evict", "batch", "crash")  # causal order within one step
 PHASE_TITLES = {

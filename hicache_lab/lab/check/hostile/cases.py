@@ -20,10 +20,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ..entrypoints.launch import free_ports
-from ..mem_cache.hicache_storage import mooncake_missing
-from .hostile import CLEAN_ENV, Hostile, Outcome, lab, processes, reap_session
-from .presets import WORKLOAD, WORLD
+from ....entrypoints.launch import free_ports
+from ....mem_cache.hicache_storage import mooncake_missing
+from ...presets import WORKLOAD, WORLD
+from .judge import CLEAN_ENV, Hostile, Outcome, lab, processes, reap_session
 
 R = [
     *("run", "--num-clients", "4", "--num-rounds", "3", "--enable-hierarchical-cache"),

@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-from ..config import RunConfig
-from ..distributed.parallel_state import stage_layers
-from ..entrypoints.launch import run
-from ..entrypoints.report import divergence_words, storage_hit_rate
-from ..managers.step_trace import read_trace
-from ..mem_cache.hicache_storage import storage_suffix
-from .presets import WORLD, config
+from ...config import RunConfig
+from ...distributed.parallel_state import stage_layers
+from ...entrypoints.launch import run
+from ...entrypoints.report import divergence_words, storage_hit_rate
+from ...managers.step_trace import read_trace
+from ...mem_cache.hicache_storage import storage_suffix
+from ..presets import WORLD, config
+from .faults import FAULTS
 
 BASE_FLAGS = f"{WORLD} --collective-timeout 20"  # the small world (presets.py) every entry adds to
 STORAGE_FLAGS = (
@@ -77,7 +78,7 @@ def relay_sends_only_grow(summary: dict, out: Path) -> str | None:
 def evict_half_of_the_last_stage(storage_dir: Path, flags: str) -> None:
     """Fill a store with one fixed run, then drop every other page of the last stage's shard, as an L3 that
     evicts keys independently would: stages then find different leading hits for the same prompt."""
-    run(_config(f"{flags} --hicache-storage-dir {storage_dir}", ()), storage_dir.parent / "fill", verbose=False)
+    run(_config(f"{flags} --hicache-storage-dir {storage_dir}", ()), storage_dir.parent / "fill", False, (FAULTS,))
     cfg = _config(flags, ())
     m, p = cfg.model, cfg.parallel
     suffix = storage_suffix(m, 0, p.tp, stage_layers(m.num_layers, p.pp, p.pp - 1))
@@ -276,7 +277,7 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, 
         if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
             shutil.copytree(store, out / f"{name}_store")
             flags += f" --hicache-storage-dir {out / f'{name}_store'}"
-        summary = run(_config(flags, disabled), out / name, verbose=verbose)
+        summary = run(_config(flags, disabled), out / name, verbose, binders=(FAULTS,))
         outcomes.append(Outcome(summary, entry.symptom(summary, out / name), out / name))
     return outcomes[0], outcomes[1]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import CacheConfig, ParallelConfig
-from ..distributed.cache_sync import CacheSync
-from ..distributed.parallel_state import RankLayout, build_groups
-from ..mem_cache.build import KVShape, build_cache
+from ...config import CacheConfig, ParallelConfig
+from ...distributed.cache_sync import CacheSync
+from ...distributed.parallel_state import RankLayout, build_groups
+from ...mem_cache.build import KVShape, build_cache
 
 
 class OneRank:

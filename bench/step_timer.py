@@ -1,8 +1,9 @@
-"""Where a rank's scheduler steps spend their time (bench/step_profile.py). Off unless the environment variable
-`HICACHE_LAB_STEP_TIMER` is set to 1 (spawned ranks inherit it); off, nothing is wrapped and nothing costs.
+"""Where a rank's scheduler steps spend their time (bench/step_profile.py). A run times its steps when it is
+given `TIMER` (`launch.run(cfg, out, binders=(TIMER,))`, entrypoints/binders.py); without it nothing is wrapped
+and nothing costs.
 
-`StepTimer.attach(loop)` shadows, on this rank's instances only (instance attributes, as entrypoints/hooks.py
-binds its replacements), the methods the event loop reaches with timed wrappers, each in one category:
+`StepTimer.attach(loop)` shadows, on this rank's instances only (instance attributes, as every binder binds
+its replacements), the methods the event loop reaches with timed wrappers, each in one category:
 
 * `cache` - every operation of the cache's contract (mem_cache/base.py) and the per-layer waits of a load;
 * `agreement` - CacheSync's agreements (distributed/cache_sync.py: collectives, relays, their drain);
@@ -24,16 +25,15 @@ its load then counts in the model.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
 
 import torch
 
-from ..mem_cache.base import BaseHiCache
+from hicache_lab.entrypoints.binders import Binder, RankParts
+from hicache_lab.mem_cache.base import BaseHiCache
 
-ENV = "HICACHE_LAB_STEP_TIMER"
 CATEGORIES = ("cache", "agreement", "model", "comm", "scheduler", "bookkeeping", "unattributed")
 DIAGNOSTICS = ("observe", "check_integrity")  # the cache's observation for the lab: bookkeeping
 OUTSIDE_THE_LOOP = ("copy_check", "summary", "close")  # called once the loop has ended
@@ -66,11 +66,6 @@ class StepTimer:
         self.total_s = 0.0
         self.steps: Callable[[], int] = lambda: 0
         self.trace_ms: Callable[[], list[float]] = list
-
-    @staticmethod
-    def requested() -> bool:
-        """Whether this process was asked to time its steps (`HICACHE_LAB_STEP_TIMER=1`)."""
-        return os.environ.get(ENV) == "1"
 
     @classmethod
     def attach(cls, loop) -> StepTimer:
@@ -171,3 +166,15 @@ class StepTimer:
             "trace_step_ms_mean": sum(trace_ms) / len(trace_ms) if trace_ms else float("nan"),
             "labels": labels,
         }
+
+
+class TimerBinder(Binder):
+    """Every rank times its steps; its result records where they went (`"step_time"`). Given last, after the
+    lab's binders: it times what they replaced."""
+
+    def bind(self, cfg, parts: RankParts, out_dir):
+        timer = StepTimer.attach(parts.loop)
+        return lambda: {"step_time": timer.report()}
+
+
+TIMER = TimerBinder()

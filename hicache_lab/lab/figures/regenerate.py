@@ -21,9 +21,11 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from ..config import RunConfig
-from ..entrypoints.launch import run
-from .chain import chain_figure
+from ...config import RunConfig
+from ...entrypoints.launch import run
+from ..presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
+from ..teach.chain import chain_figure
+from ..teach.tour import OneRank
 from .plots import (
     TREE_LEAF_WIDTH,
     TREE_LEVEL_HEIGHT,
@@ -36,8 +38,6 @@ from .plots import (
     tree_drawing,
     tree_legend,
 )
-from .presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
-from .tour import OneRank
 
 SYNC_COST_CSV = BENCH_RESULTS / "agreement_cost.csv"
 FILES = (

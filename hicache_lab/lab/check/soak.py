@@ -38,13 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
-from ..entrypoints.args import finite_float
-from ..entrypoints.preflight import check_writable_dir
-from ..errors import ConfigError
-from .hostile import judge_all, processes, table
-from .hostile_cases import CASES
-from .presets import BENCH_RESULTS, WORLD
+from ...config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
+from ...entrypoints.args import finite_float
+from ...entrypoints.preflight import check_writable_dir
+from ...errors import ConfigError
+from ..presets import BENCH_RESULTS, WORLD
+from .hostile.cases import CASES
+from .hostile.judge import judge_all, processes, table
 
 OUTCOMES = ("diverged", "crashed", "hung", "mismatched")
 

@@ -32,12 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import SYNC_IMPL_SLOTS, RunConfig
-from ..entrypoints.launch import run
-from ..entrypoints.sync_audit import MISTAKES, mistake_text
-from ..errors import ConfigError
-from ..managers.step_trace import read_trace
-from .presets import WORLD, config
+from ...config import SYNC_IMPL_SLOTS, RunConfig
+from ...entrypoints.launch import run
+from ...errors import ConfigError
+from ...managers.step_trace import read_trace
+from ..check.faults import FAULTS
+from ..presets import WORLD, config
+from .sync_audit import MISTAKES, mistake_text
+from .sync_impl import SYNC_IMPLS
 
 STORAGE = (
     "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
@@ -144,6 +146,7 @@ def stage_medians(out_dir: Path) -> dict[int, float]:
 
 
 RELAY = "pp_sync=hicache_lab.distributed.cache_sync:CacheSync._pp_sync"  # the lab's own, audited the same way
+BINDERS = (SYNC_IMPLS, FAULTS)  # what its worlds need: your functions, and a slower stage
 
 
 def pp_sync_timing(out_dir: Path) -> tuple[dict[int, float], float | None]:
@@ -167,7 +170,7 @@ def lockstep_cost(world: World, out_dir: Path, summary: dict, device: str, quick
     key = (world, device, quick)
     if key not in _relay_runs:  # one run of the relay per world in a process (the tests ask more than once)
         relay_dir = out_dir.parent / f"{out_dir.name}_relay"
-        _relay_runs[key] = relay_dir, run(world_config(world, (RELAY,), device, quick), relay_dir, verbose=False)
+        _relay_runs[key] = relay_dir, run(world_config(world, (RELAY,), device, quick), relay_dir, False, BINDERS)
     relay_dir, reference = _relay_runs[key]
     (yours, your_lead), (relay, relay_lead) = pp_sync_timing(out_dir), pp_sync_timing(relay_dir)
     lead = ""
@@ -316,7 +319,7 @@ def check(
     try:
         for i, world in enumerate(worlds):
             out = Path(out_dir) / f"world{i}"
-            summary = run(world_config(world, specs, device, quick), out, verbose=False)
+            summary = run(world_config(world, specs, device, quick), out, False, BINDERS)
             lines = audit_lines(out)
             found = first_finding(lines)
             if found is not None:

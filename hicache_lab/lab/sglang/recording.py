@@ -1,9 +1,10 @@
 """Recording a rank's cache operations (`run --record-cache-ops`), so that SGLang's cache can answer the same
-questions (lab/conformance.py replays them: `python -m hicache_lab conform RUN_DIR`).
+questions (conformance.py replays them: `python -m hicache_lab conform RUN_DIR`).
 
 `RecordingCache` stands between a rank's scheduler and its cache and writes every operation of the scheduler's
-contract (`base.BasePrefixCache`) with the lab's answer and the pools' state after it, one JSON line each, to
-`rank{R}.cache_ops.jsonl`; the first line holds the cache's configuration. Nodes are named by their ids, slots
+contract (`mem_cache/base.BasePrefixCache`) with the lab's answer and the pools' state after it, one JSON line each, to
+`rank{R}.cache_ops.jsonl`; the first line holds the cache's configuration. `RECORDING` binds it into a run
+(entrypoints/binders.py). Nodes are named by their ids, slots
 by their numbers. Nothing is decided here: each call goes to the cache unchanged.
 """
 
@@ -15,9 +16,20 @@ from pathlib import Path
 
 import torch
 
-from .base import BasePrefixCache
+from ...config import RunConfig
+from ...entrypoints.binders import Binder
+from ...mem_cache.base import BasePrefixCache
 
 OPS_FILE = "rank{rank}.cache_ops.jsonl"
+
+
+class RecordingBinder(Binder):
+    """`run --record-cache-ops`: a `RecordingCache` between each rank's scheduler and its cache."""
+
+    fields = ("record_cache_ops",)
+
+    def wrap_cache(self, cfg: RunConfig, cache: BasePrefixCache, out_dir: Path, rank: int) -> BasePrefixCache:
+        return RecordingCache(cache, ops_path(out_dir, rank), rank) if cfg.record_cache_ops else cache
 
 
 def ops_path(out_dir: Path, rank: int) -> Path:
@@ -160,3 +172,6 @@ class RecordingCache:
     def close(self) -> None:
         self._file.close()
         self._cache.close()
+
+
+RECORDING = RecordingBinder()

@@ -3,7 +3,7 @@
 The audit watches the torch.distributed calls your function makes from its own thread (the lab's own threads
 pass straight through), then checks the rules of its slot. Each call is one line of `sync_audit_rank{R}.jsonl` in
 the run's directory, flushed as it is written, so a run that crashes or hangs keeps what every rank did up to
-there: `hicache_lab.lab.exercise` reads these lines to say in words what went wrong.
+there: `hicache_lab.lab.teach.exercise` reads these lines to say in words what went wrong.
 
 A finding is a broken rule: its kind (a key of `MISTAKES`, which says why it is wrong) and one sentence of what
 this rank did. A finding that is wrong in every world stops the run at once (`SyncImplError`, with the sentence

@@ -15,8 +15,8 @@ from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from ..managers.step_trace import read_trace  # noqa: E402
-from .conformance import Replay  # noqa: E402
+from ...managers.step_trace import read_trace  # noqa: E402
+from ..sglang.conformance import Replay  # noqa: E402
 
 # One colour per tier in every figure: the tier's share of a hit, a run whose deepest tier it is, a tree node
 # that lives there. Nothing else is drawn in these three colours; other series take OTHER_COLORS.

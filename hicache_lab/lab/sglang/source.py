@@ -19,10 +19,10 @@ import inspect
 import re
 from pathlib import Path
 
-from ..errors import ConfigError
-from ..mooncake_trace import is_integer, is_number, read_jsonl
-from .plots import plot_against_sglang
-from .sglang_cpu import SGLANG_VERSION, prepare_imports, quiet_imports
+from ...errors import ConfigError
+from ...mooncake_trace import is_integer, is_number, read_jsonl
+from ..figures.plots import plot_against_sglang
+from .cpu import SGLANG_VERSION, prepare_imports, quiet_imports
 
 SGLANG_MODULES = (
     "sglang.srt.mem_cache.hiradix_cache",

@@ -27,10 +27,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import CacheConfig
-from ..errors import PoolExhaustedError
-from ..mem_cache.copy_engine import STREAMS, CopyJob
-from .sglang_cpu import install_cpu_replacements, prepare_imports, quiet_imports
+from ...config import CacheConfig
+from ...errors import PoolExhaustedError
+from ...mem_cache.copy_engine import STREAMS, CopyJob
+from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
 
 _NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
 

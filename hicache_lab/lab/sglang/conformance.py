@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import CacheConfig
-from ..errors import ConfigError
-from ..mem_cache.recording import ops_path
-from ..mooncake_trace import read_jsonl
-from .sglang_cpu import SGLANG_VERSION
-from .sglang_ref import AgreedCompletion, SGLangCache
+from ...config import CacheConfig
+from ...errors import ConfigError
+from ...mooncake_trace import read_jsonl
+from .cache import AgreedCompletion, SGLangCache
+from .cpu import SGLANG_VERSION
+from .recording import ops_path
 
 # -- replay ----------------------------------------------------------------------------------------------
 

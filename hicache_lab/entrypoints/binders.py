@@ -1,0 +1,98 @@
+"""The seam through which tooling outside the core attaches to a run, so that no lab code lives below `lab/`.
+
+A binder serves some of `RunConfig`'s fields (`fields`, dotted: `"parallel.fault"`). The lab's binders
+(`lab/binders.py`: faults, `--sync-impl`, the cache-op recorder) come with `python -m hicache_lab run`; a
+benchmark brings its own (bench/step_timer.py). A run that sets a lab field no binder serves is refused before
+any rank starts (`refuse_unserved`): a lab flag never silently does nothing.
+
+What a binder does, in order:
+
+* `check(cfg)` - in the launcher, before any rank starts: what only it can check (a `--sync-impl` that does
+  not import);
+* `wrap_cache(cfg, cache, out_dir, rank)` - in each rank: what the scheduler asks instead of the cache (a
+  recorder in front of it), or the cache itself;
+* `bind(cfg, parts, out_dir)` - in each rank, once its parts are built: it binds into them (instance attributes
+  shadow methods) and returns what the rank's result records, as a function asked when the rank writes it, or
+  None.
+
+Binders travel to spawned ranks by pickling: instances of module-level classes, holding no live state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import RunConfig
+from ..distributed.cache_sync import CacheSync
+from ..errors import ConfigError
+from ..managers.scheduler_pp import StageLoop
+from ..mem_cache.base import BasePrefixCache
+
+LAB_FIELDS = {  # the RunConfig fields only lab tooling serves -> their flag
+    "parallel.fault": "--fault",
+    "cache.skip_load_wait": "--skip-load-wait",
+    "parallel.sync_impls": "--sync-impl",
+    "record_cache_ops": "--record-cache-ops",
+}
+
+
+@dataclass
+class RankParts:
+    """One rank's parts (a rank of any kind: a TP or CP peer as much as a pipeline stage), for its binders."""
+
+    rank: int
+    sync: CacheSync
+    cache: BasePrefixCache  # the cache itself
+    loop: StageLoop  # its scheduler asks `loop.scheduler.cache`: the cache, or what a binder put in front of it
+
+
+class Binder:
+    """Serves nothing and binds nothing: the base a binder overrides."""
+
+    fields: tuple[str, ...] = ()
+
+    def check(self, cfg: RunConfig) -> None:
+        """Before any rank starts; raises ConfigError."""
+
+    def wrap_cache(self, cfg: RunConfig, cache: BasePrefixCache, out_dir: Path, rank: int) -> BasePrefixCache:
+        return cache
+
+    def bind(self, cfg: RunConfig, parts: RankParts, out_dir: Path) -> Callable[[], dict] | None:
+        return None
+
+
+def _value(cfg: RunConfig, dotted: str):
+    owner, _, name = dotted.rpartition(".")
+    return getattr(getattr(cfg, owner) if owner else cfg, name)
+
+
+def _default(cfg: RunConfig, dotted: str):
+    owner, _, name = dotted.rpartition(".")
+    fields = {f.name: f for f in dataclasses.fields(type(getattr(cfg, owner)) if owner else RunConfig)}
+    field = fields[name]
+    return field.default_factory() if field.default is dataclasses.MISSING else field.default
+
+
+def refuse_unserved(cfg: RunConfig, binders: tuple[Binder, ...]) -> None:
+    """ConfigError for each lab field `cfg` sets that none of `binders` serves."""
+    served = {f for b in binders for f in b.fields}
+    unserved = [
+        f"{flag} ({_value(cfg, field)!r})"
+        for field, flag in LAB_FIELDS.items()
+        if field not in served and _value(cfg, field) != _default(cfg, field)
+    ]
+    if unserved:
+        raise ConfigError(
+            f"{', '.join(unserved)}: lab tooling that nothing in this run serves; run it with "
+            "`python -m hicache_lab run`, or pass launch.run the lab's binders (hicache_lab.lab.binders.LAB)"
+        )
+
+
+def check_all(cfg: RunConfig, binders: tuple[Binder, ...]) -> None:
+    """Before any rank starts: no lab field unserved, and each binder's own check."""
+    refuse_unserved(cfg, binders)
+    for binder in binders:
+        binder.check(cfg)

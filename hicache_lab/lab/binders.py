@@ -1,0 +1,20 @@
+"""What the lab binds into a run (entrypoints/binders.py): `--sync-impl`, the faults, the cache-op recorder.
+`python -m hicache_lab run` passes them all; so does `run` here, for the lab's own tools and tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import RunConfig
+from ..entrypoints import launch
+from ..entrypoints.binders import Binder
+from .check.faults import FAULTS
+from .sglang.recording import RECORDING
+from .teach.sync_impl import SYNC_IMPLS
+
+LAB: tuple[Binder, ...] = (SYNC_IMPLS, FAULTS, RECORDING)  # in the order they bind
+
+
+def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, more: tuple[Binder, ...] = ()) -> dict:
+    """`launch.run` with the lab's binders (and `more` after them)."""
+    return launch.run(cfg, out_dir, verbose, binders=(*LAB, *more))
