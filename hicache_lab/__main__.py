@@ -12,18 +12,21 @@ from pathlib import Path
 
 from .entrypoints.args import add_run_flags, config_from_args
 from .entrypoints.ending import Interrupted
-from .entrypoints.launch import run, run_under_torchrun
+from .entrypoints.launch import run
 from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate
+from .entrypoints.torchrun import run_under_torchrun
 from .errors import ConfigError
 from .lab.binders import LAB
 from .lab.check.exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .lab.check.soak import add_soak_flags, cmd_soak
 from .lab.check.zoo import add_zoo_flags, cmd_zoo
-from .lab.figures.plots import plot_hit_rates, plot_queue_divergence
+from .lab.figures.against_sglang import compare_with_sglang
+from .lab.figures.hit_rates import plot_hit_rates
+from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
-from .lab.sglang.source import compare_with_sglang, read_bench_multiturn
+from .lab.sglang.source import read_bench_multiturn
 from .lab.teach.exercise import add_exercise_flags, cmd_exercise
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -1,8 +1,9 @@
 """How a run's processes end: none outlives its launcher, and a signal ends the run with its files written.
 
 * `die_with_parent`: a rank (or the `mooncake_master` the launcher starts) gets SIGKILL when its parent dies
-  (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the parent did not die first; where prctl
-  is unavailable, a thread polls the parent's pid). So SIGKILL of the launcher leaves nothing behind.
+  (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the launcher did not die first; where
+  prctl is unavailable, a thread polls the parent's pid). A rank's parent is the launcher's fork server
+  (launch.py), which ends as soon as the launcher does. So SIGKILL of the launcher leaves nothing behind.
 * `SignalGuard`: SIGINT and SIGTERM raise `Interrupted` in the main thread, which ends the run through its usual
   path (partial results, a summary that says what interrupted it). A Python handler runs only between bytecodes,
   never while the main thread is blocked in C++ (a gloo collective waiting for a stuck peer): a watcher thread,
@@ -49,12 +50,28 @@ def _watch_parent(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def die_with_parent(parent: int) -> None:
-    """This process ends when process `parent` (its parent, which started it) does, even by SIGKILL."""
+def die_with_parent(launcher: int) -> None:
+    """This process ends when its parent does, even by SIGKILL. Its parent is `launcher`, or a fork server of
+    `launcher`'s that ends with it (launch.rank_processes); if `launcher` is gone already, it exits at once."""
+    parent = os.getppid()
     if not _pdeathsig():
         threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
-    if os.getppid() != parent:  # the parent died before prctl took effect
+    if os.getppid() != parent or _exited(launcher):  # it died before prctl took effect
         os._exit(1)
+
+
+def _exited(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie has: it only waits for its parent to see it)."""
+    if Path("/proc").is_dir():
+        state = process_state(pid)
+        return state == "gone" or state.startswith(("a zombie", "dead"))
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's: it exists
+        pass
+    return False
 
 
 def master_preexec(parent: int) -> Callable[[], None]:

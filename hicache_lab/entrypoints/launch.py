@@ -36,12 +36,12 @@ from .ending import Interrupted, SignalGuard, die_with_parent, master_preexec, p
 from .outdir import Claim, OutputError
 from .preflight import preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
-from .report import WorldEnd, print_summary, read_results, summarize
+from .report import WorldEnd, print_summary, summarize
 
 GRACE_S = 2.0  # after the first rank fails (or a signal), how long the others get to report before they are stopped
 
 
-def _rank(
+def join_and_run(
     cfg: RunConfig,
     rank: int,
     store: Callable[[], dist.Store | None],
@@ -78,12 +78,31 @@ def exit_code(result: dict) -> int:
     return 0 if result["completed"] else 1
 
 
+def rank_processes() -> multiprocessing.context.BaseContext:
+    """How ranks are started: forked by a server that imported torch and the rank's code once (a `spawn` imports
+    them anew in every rank: 2-3 s each). The server is this process's child, started with the first rank, and
+    ends as soon as this process does; the ranks it forks die with it (ending.die_with_parent). A rank takes this
+    process's working directory and `sys.path` as it starts (multiprocessing passes them) and its environment
+    (`_as_launched`)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["hicache_lab.entrypoints.rank"])
+    return ctx
+
+
+def _as_launched(environ: dict[str, str], launcher: int) -> None:
+    """A rank starts in the launcher's environment as it was at the start (not the fork server's), and dies with
+    the launcher."""
+    die_with_parent(launcher)
+    os.environ.clear()
+    os.environ.update(environ)
+
+
 def _rank_main(
-    cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, parent: int, binders: tuple[Binder, ...]
+    cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, launcher: tuple, binders: tuple[Binder, ...]
 ) -> None:
-    """A spawned rank: it dies with the launcher (`parent`), and leaves at once (os._exit) when it did not
-    complete, since peers may be blocked on it (the launcher stops them)."""
-    die_with_parent(parent)
+    """A spawned rank: it dies with the launcher (`launcher`: its environment and pid), and leaves at once
+    (os._exit) when it did not complete, since peers may be blocked on it (the launcher stops them)."""
+    _as_launched(*launcher)
     timeout = datetime.timedelta(seconds=cfg.parallel.collective_timeout_s)
     world = cfg.parallel.world_size
 
@@ -92,7 +111,7 @@ def _rank_main(
 
     with SignalGuard() as guard:
         try:
-            result = _rank(cfg, rank, store, out_dir, run_id, guard, binders)
+            result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
         except OutputError as exc:  # its result could not be written: the launcher finds none
             print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -108,19 +127,19 @@ def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timeout)
 
 
-def _with_lifeline(parent: int, target, *args) -> None:
-    die_with_parent(parent)
+def _with_lifeline(launcher: tuple, target, *args) -> None:
+    _as_launched(*launcher)
     target(*args)
 
 
 def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | None]:
-    """Run `target(rank, size, port, *args)` in `size` spawned processes (each may `join_world(rank, size,
+    """Run `target(rank, size, port, *args)` in `size` processes (`rank_processes`; each may `join_world(rank, size,
     port, ...)`, and dies with this one); wait for all, killing any still running after `timeout_s`. Returns
     their exit codes."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx, launcher = rank_processes(), (dict(os.environ), os.getpid())
     server = serve_store(timeout_s)
     procs = [
-        ctx.Process(target=_with_lifeline, args=(os.getpid(), target, rank, size, server.port, *args))
+        ctx.Process(target=_with_lifeline, args=(launcher, target, rank, size, server.port, *args))
         for rank in range(size)
     ]
     for proc in procs:
@@ -139,9 +158,9 @@ def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str, binders: tuple[Binde
     seconds. On SIGINT/SIGTERM (`Interrupted`) every rank is asked to end (SIGTERM: each writes what it has), and
     what is left after GRACE_S is stopped. The WorldEnd holds the exit codes of the ranks that failed first, on
     their own (not those the launcher stopped), and what each rank the launcher stopped was doing."""
-    ctx = multiprocessing.get_context("spawn")
+    ctx = rank_processes()
     server = serve_store(cfg.parallel.collective_timeout_s)
-    args = (out_dir, run_id, os.getpid(), binders)
+    args = (out_dir, run_id, (dict(os.environ), os.getpid()), binders)
     procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(cfg.parallel.world_size)]
     end, failed_at = WorldEnd(run_id), None
     try:
@@ -211,7 +230,7 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
 
         guard.owe(lambda name: print_summary(summary(WorldEnd(run_id, interrupted=name))))  # main thread stuck
         if cfg.parallel.world_size == 1:
-            result = _rank(cfg, 0, dist.HashStore, out, run_id, guard, binders)
+            result = join_and_run(cfg, 0, dist.HashStore, out, run_id, guard, binders)
             end = WorldEnd(run_id, interrupted=result.get("interrupted"))
         else:
             end = spawn_world(cfg, out, run_id, binders)
@@ -225,73 +244,6 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
 def _stop_master(master: subprocess.Popen) -> None:
     master.terminate()
     master.wait()
-
-
-def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...] = ()) -> dict | None:
-    """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 owns the output
-    directory and summarizes, even when a rank died (torchrun then SIGTERMs the others: rank 0 writes the summary
-    before it leaves); the others write only once they met rank 0 (its run id)."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != cfg.parallel.world_size:
-        raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
-    if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
-        raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
-    die_with_parent(os.getppid())  # torchrun's agent: no rank outlives it
-    check_all(cfg, binders)
-    preflight(cfg, out_dir)
-    started = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        run_id = stack.enter_context(Claim(out_dir)).run_id if rank == 0 else None
-        guard = stack.enter_context(SignalGuard())
-        if rank == 0:
-            end = WorldEnd(run_id)
-            guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
-        result = _rank(cfg, rank, lambda: None, out_dir, run_id, guard, binders)  # no store: env:// (MASTER_ADDR/PORT)
-        if rank != 0:
-            if not result["completed"]:
-                os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
-            return None
-        cut_short = _await_peers(cfg, out_dir, result, end)
-        end.interrupted = result.get("interrupted") or cut_short
-        guard.finish()
-        _name_missing(cfg, out_dir, result, end)
-        summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
-    print_summary(summary)
-    return summary
-
-
-def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
-    """Rank 0 waits for the other results: up to the collective timeout when it completed, GRACE_S when it
-    waited for a peer (the cause may still report) or was interrupted (so were they), not at all when it failed
-    on its own. Returns the signal that cut the wait short (torchrun stops the world once a rank died), if any."""
-    p = cfg.parallel
-    wait = p.collective_timeout_s if result["completed"] else GRACE_S
-    wait = 0 if result["crashed"] and not result.get("waited") else wait
-    deadline = time.monotonic() + wait
-    try:
-        while len(read_results(out_dir, end, p.world_size)) < p.world_size and time.monotonic() < deadline:
-            time.sleep(0.1)
-    except Interrupted as exc:
-        return exc.name
-    return None
-
-
-def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> None:
-    """What each rank that left no result is doing now (its process on this host, from the ranks' meeting):
-    gone (it died: the cause), or still there (stuck)."""
-    reported = {r["rank"] for r in read_results(out_dir, end, cfg.parallel.world_size)}
-    for rank in range(cfg.parallel.world_size):
-        pid = result.get("peers", {}).get(str(rank))
-        if rank in reported:
-            continue
-        if pid is None:
-            end.stopped[rank] = "no process of it known here (on another host, or it never met rank 0)"
-            continue
-        state = process_state(pid)
-        if state == "gone" or state.startswith("a zombie"):
-            end.failed[rank] = "died (its process is gone)"
-        else:
-            end.stopped[rank] = f"its process is {state}"
 
 
 def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:

@@ -1,0 +1,87 @@
+"""One rank of a world that `torchrun` started (RANK, WORLD_SIZE, MASTER_ADDR/PORT set): rank 0 owns the output
+directory and writes the summary, even when a rank died; what each rank that left no result was doing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from .binders import Binder, check_all
+from .ending import Interrupted, SignalGuard, die_with_parent, process_state
+from .launch import GRACE_S, exit_code, join_and_run
+from .outdir import Claim
+from .preflight import preflight
+from .report import WorldEnd, print_summary, read_results, summarize
+
+
+def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...] = ()) -> dict | None:
+    """One rank of a world started by torchrun (RANK, WORLD_SIZE, MASTER_ADDR/PORT set); rank 0 owns the output
+    directory and summarizes, even when a rank died (torchrun then SIGTERMs the others: rank 0 writes the summary
+    before it leaves); the others write only once they met rank 0 (its run id)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != cfg.parallel.world_size:
+        raise ConfigError(f"torchrun started {world} ranks but --tp x --cp x --pp = {cfg.parallel.world_size}")
+    if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
+        raise ConfigError("under torchrun, start mooncake_master yourself and pass --mooncake-master/-metadata-url")
+    die_with_parent(os.getppid())  # torchrun's agent: no rank outlives it
+    check_all(cfg, binders)
+    preflight(cfg, out_dir)
+    started = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        run_id = stack.enter_context(Claim(out_dir)).run_id if rank == 0 else None
+        guard = stack.enter_context(SignalGuard())
+        if rank == 0:
+            end = WorldEnd(run_id)
+            guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
+        result = join_and_run(
+            cfg, rank, lambda: None, out_dir, run_id, guard, binders
+        )  # no store: env:// (MASTER_ADDR/PORT)
+        if rank != 0:
+            if not result["completed"]:
+                os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
+            return None
+        cut_short = _await_peers(cfg, out_dir, result, end)
+        end.interrupted = result.get("interrupted") or cut_short
+        guard.finish()
+        _name_missing(cfg, out_dir, result, end)
+        summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
+    print_summary(summary)
+    return summary
+
+
+def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
+    """Rank 0 waits for the other results: up to the collective timeout when it completed, GRACE_S when it
+    waited for a peer (the cause may still report) or was interrupted (so were they), not at all when it failed
+    on its own. Returns the signal that cut the wait short (torchrun stops the world once a rank died), if any."""
+    p = cfg.parallel
+    wait = p.collective_timeout_s if result["completed"] else GRACE_S
+    wait = 0 if result["crashed"] and not result.get("waited") else wait
+    deadline = time.monotonic() + wait
+    try:
+        while len(read_results(out_dir, end, p.world_size)) < p.world_size and time.monotonic() < deadline:
+            time.sleep(0.1)
+    except Interrupted as exc:
+        return exc.name
+    return None
+
+
+def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> None:
+    """What each rank that left no result is doing now (its process on this host, from the ranks' meeting):
+    gone (it died: the cause), or still there (stuck)."""
+    reported = {r["rank"] for r in read_results(out_dir, end, cfg.parallel.world_size)}
+    for rank in range(cfg.parallel.world_size):
+        pid = result.get("peers", {}).get(str(rank))
+        if rank in reported:
+            continue
+        if pid is None:
+            end.stopped[rank] = "no process of it known here (on another host, or it never met rank 0)"
+            continue
+        state = process_state(pid)
+        if state == "gone" or state.startswith("a zombie"):
+            end.failed[rank] = "died (its process is gone)"
+        else:
+            end.stopped[rank] = f"its process is {state}"
