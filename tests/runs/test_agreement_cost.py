@@ -1,5 +1,6 @@
 """bench/agreement_cost.py's parts 2-3 at a smoke size: every stage of every world reports every measurement of
-every variant and block, and the figure draws the panels of what was measured (part 1 is too slow for here)."""
+every variant and block, and the figure draws the panels of what was measured (part 1 is too slow for here: its
+panel is drawn from a table written by hand)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pandas as pd
 from PIL import Image
 
 from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, measure_primitives
-from hicache_lab.lab.figures.plots import plot_sync_cost
+from hicache_lab.lab.figures.sync_cost import plot_sync_cost
 
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
 
@@ -36,3 +37,17 @@ def test_every_stage_reports_every_measurement(tmp_path):
     panels = plot_sync_cost(frame, out)
     assert panels == ["stages", "equal", "slow_last"]  # no part 1 here: its panel is left out, not drawn empty
     assert Image.open(out).size[0] > 1000
+
+
+def test_part_1_alone_is_one_panel(tmp_path):
+    """A table of part 1 only (agreement_cost --skip-primitives): one panel, the step time by sync mode."""
+    frame = pd.DataFrame(
+        {"part": "step_time", "pp": 2, "variant": f"sync={mode}", "rank": rank, "repeat": repeat}
+        | {"metric": "mean_step_ms_common", "value": 10.0 + rank + repeat}
+        for mode in ("off", "legacy", "fixed")
+        for rank in (0, 1)
+        for repeat in (0, 1)
+    )
+    out = tmp_path / "sync_cost.png"
+    assert plot_sync_cost(frame, out) == ["step_time"]
+    assert Image.open(out).size[0] > 500

@@ -6,7 +6,7 @@
 * hit_rate_by_tier.png    - one rank whose history outgrows device and host: L1, L1 + L2, L1 + L2 + L3
 * hicache_tree.png        - one rank's tree as write-through, eviction and load-back change it
 * causal_chain.png        - the legacy PP=2 run's chain: ack on one stage only -> unlock -> admission, eviction
-                            -> different batches -> the crash (lab/chain.py)
+                            -> different batches -> the crash (teach/chain.py)
 * sync_cost.png           - bench/results/agreement_cost.csv (from `python -m bench.agreement_cost`), if present
 
 `--quick` uses a small workload (seconds, for CI); the committed figures use the demo's.
@@ -24,20 +24,12 @@ import pandas as pd
 from ...config import RunConfig
 from ...entrypoints.launch import run
 from ..presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
-from ..teach.chain import chain_figure
 from ..teach.tour import OneRank
-from .plots import (
-    TREE_LEAF_WIDTH,
-    TREE_LEVEL_HEIGHT,
-    draw_tree,
-    plot_digest_agreement,
-    plot_hit_rate_by_tier,
-    plot_hit_rates,
-    plot_queue_divergence,
-    plot_sync_cost,
-    tree_drawing,
-    tree_legend,
-)
+from .chain import chain_figure
+from .hit_rates import plot_hit_rate_by_tier, plot_hit_rates
+from .pipeline import plot_digest_agreement, plot_queue_divergence
+from .sync_cost import plot_sync_cost
+from .trees import TREE_LEAF_WIDTH, TREE_LEVEL_HEIGHT, draw_tree, tree_drawing, tree_legend
 
 SYNC_COST_CSV = BENCH_RESULTS / "agreement_cost.csv"
 FILES = (

@@ -1,6 +1,6 @@
 """SGLang beside the lab: its own synchronization source (notebooks 02 and 03, where sglang 0.5.23 is installed:
-`make` installs it, and sglang_cpu.py lets it import beside a CPU torch), and its bench_multiturn results beside
-a run's hit rates (`run --compare-sglang LOG`).
+`make` installs it, and sglang_cpu.py lets it import beside a CPU torch), and its bench_multiturn results read
+for `run --compare-sglang LOG` (figures/against_sglang.py prints and plots them beside a run's hit rates).
 
 SGLang moved HiCache between releases (`mem_cache/hiradix_cache.py`; in 0.5.23 `mem_cache/unified_radix_cache.py`),
 so methods are looked up by name in every class of the modules that exist.
@@ -17,11 +17,9 @@ import html
 import importlib
 import inspect
 import re
-from pathlib import Path
 
 from ...errors import ConfigError
 from ...mooncake_trace import is_integer, is_number, read_jsonl
-from ..figures.plots import plot_against_sglang
 from .cpu import SGLANG_VERSION, prepare_imports, quiet_imports
 
 SGLANG_MODULES = (
@@ -116,16 +114,3 @@ def _round_row(part: object, count_key: str, where: str) -> dict:
     if not (count is None or (is_integer(count) and count >= 0)):
         raise ConfigError(f"{where}: '{count_key}' must be an integer >= 0, got {count!r}")
     return {"hit_rate": float(hit), "ttft_ms": float("nan") if ttft is None else ttft * 1e3, "requests": count or 0}
-
-
-def compare_with_sglang(summary: dict, sglang: list[dict], log: str, figure: Path) -> None:
-    """Print this run's hit rate per round beside a bench_multiturn log's rows, and plot them."""
-    print(f"\nhit rate per round: this run vs {log}")
-    tags = list(dict.fromkeys(r["tag"] for r in sglang))
-    print("round    lab  " + "  ".join(f"{t[:14]:>14}" for t in tags))
-    for row in summary["rounds"]:
-        theirs = {r["tag"]: r["hit_rate"] for r in sglang if r["round"] == row["round"]}
-        cells = "  ".join(f"{theirs[t]:14.1%}" if t in theirs else f"{'-':>14}" for t in tags)
-        print(f"{row['round']:5} {row['hit_rate']:6.1%}  {cells}")
-    plot_against_sglang(summary, sglang, figure)
-    print(f"figure: {figure}")

@@ -1,4 +1,4 @@
-"""The causal chain of a legacy pipeline crash, found in a run's step trace and drawn.
+"""The causal chain of a legacy pipeline crash, found in a run's step trace (the figures room draws it).
 
 Every stage keeps its own tree. With legacy sync a stage consumes the acks its own poll found finished, so now
 and then one stage consumes an ack (and unlocks the node its copy held) a step before another. Most of these
@@ -12,25 +12,14 @@ differences heal a step or two later, when the other stage consumes the same ack
 causal order: by step, and within a step in the order above (the scheduler consumes acks first, then admits
 requests against free + evictable room, evicting to make that room, then runs the batch; the forward pass
 crashes). Where the eviction came a step before the match it changed, the step order puts it first.
-`draw_chain` draws them, one lane per stage; `chain_figure` does both for a run's output directory.
+The figures room draws them (`figures/chain.py`: `draw_chain`, one lane per stage, and `chain_figure`); what its
+top strip shows is found here too (`healed_steps`, `ahead_at`, `differing_steps`).
 """
 
 from __future__ import annotations
 
 import re
-import textwrap
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import FancyArrowPatch  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
-
-from ...managers.step_trace import read_trace  # noqa: E402
-from ..figures.plots import OTHER_COLORS, crash_what, save_figure  # noqa: E402
 
 PHASES = ("ack", "unlock", "admit", "evict", "batch", "crash")  # causal order within one step
 PHASE_TITLES = {
@@ -41,7 +30,21 @@ PHASE_TITLES = {
     "batch": "batch",
     "crash": "crash",
 }
-ACCENT = OTHER_COLORS[1]  # the stage a link happened on (red); the others are drawn in grey
+
+
+def _short(text: str, length: int) -> str:
+    """`text`, cut to `length` characters with an ellipsis where it is longer."""
+    return text if len(text) <= length else text[: length - 1] + "…"
+
+
+def crash_what(error: str) -> str:
+    """A short name for a forward-pass crash: the failing view of the received hidden states, or the first
+    matmul on them; anything else: the exception's first words."""
+    if m := re.search(r"shape '(\[[^\]]*\])' is invalid for input of size (\d+)", error or ""):
+        return f"view as {m.group(1)} of {m.group(2)} values"
+    if m := re.search(r"mat1 and mat2 shapes cannot be multiplied \((\w+) and (\w+)\)", error or ""):
+        return f"matmul {m.group(1)} by {m.group(2)}"
+    return _short(error or "crashed", 40)
 
 
 @dataclass(frozen=True)
@@ -242,115 +245,14 @@ def healed_steps(rows: list[dict], before: int) -> tuple[list[int], int]:
     return odd, longest
 
 
-def draw_chain(links: list[Link], rows: list[dict], summary: dict, path: Path, title: str = "") -> None:
-    """Top: every step to the crash, with the steps at which the stages consumed different ack counts (grey:
-    healed; red: the chain's). Below: the chain, one row per link, one lane per stage; the lane where a link
-    happened is red, and arrows follow the chain to the crash."""
-    ranks = sorted({r["rank"] for r in rows})
-    fig = plt.figure(figsize=(9.5, 1.9 + 0.9 * max(len(links), 1)))
-    top, bottom = fig.subplots(2, 1, height_ratios=[1.3, 0.95 * max(len(links), 1)])
-    last = max((r["step"] for r in rows), default=0)
-    if not links:
-        top.text(0.5, 0.5, "no chain: the stages' batches never differ", ha="center", transform=top.transAxes)
-        bottom.axis("off")
-        top.set_title(title, fontsize=10)
-        save_figure(fig, path)
-        return
-    first = links[0].step
-    healed, longest = healed_steps(rows, first)
-    _, steps = _by_step(rows)
-    for s, seen in steps.items():
-        if len({r["digest"] for r in seen.values()}) > 1:
-            top.axvspan(s - 0.5, s + 0.5, color=ACCENT, alpha=0.12, lw=0)
-    for i, k in enumerate(ranks):
-        mine = [s for s in healed if sum(_acks(steps[s][k])) == max(sum(_acks(r)) for r in steps[s].values())]
-        top.scatter(mine, [i] * len(mine), marker="|", s=120, color="0.55", lw=2)
-        if k in links[0].stages:
-            top.scatter([first], [i], marker="|", s=220, color=ACCENT, lw=3)
-    crash = next((link for link in links if link.what == "crash"), None)
-    if crash is not None:  # just above the stage's row: the chain's tick may be at the same step
-        y = ranks.index(crash.stages[0]) - 0.38
-        top.scatter([crash.step], [y], marker="v", s=60, color=ACCENT, zorder=3)
-        top.annotate(
-            "crash",
-            (crash.step, y),
-            xytext=(-6, 0),
-            textcoords="offset points",
-            ha="right",
-            va="center",
-            fontsize=8,
-            color=ACCENT,
-        )
-    top.set_yticks(range(len(ranks)), [f"stage {k}" for k in ranks])
-    top.set_ylim(len(ranks) - 0.5, -0.7)
-    top.set_xlim(-1, last + 2)
-    top.xaxis.set_major_locator(MaxNLocator(integer=True))
-    top.set_xlabel("scheduler step", fontsize=8, labelpad=1)
-    top.tick_params(labelsize=8)
-    top.grid(alpha=0.3, axis="x")
-    top.set_title(
-        (f"{title}\n" if title else "")
-        + "a tick: the stage consumed more acks than the other in that step; shaded: their trees differ\n"
-        f"grey: {len(healed)} steps before step {first}, each healed within {longest} step{'s' * (longest != 1)}; "
-        "red: the one that did not heal, drawn below",
-        fontsize=8.5,
-    )
-    # the chain: rows = links, columns = stage lanes
-    n = len(links)
-    lane_x = {k: 0.19 + 0.81 * (i + 0.5) / len(ranks) for i, k in enumerate(ranks)}
-    row_y = [1 - (j + 0.5) / n for j in range(n)]
-    bottom.set_xlim(0, 1)
-    bottom.set_ylim(0, 1)
-    bottom.axis("off")
-    for k in ranks:
-        bottom.text(lane_x[k], 1.02, f"stage {k}", ha="center", va="bottom", fontsize=9, weight="bold")
-    for j, link in enumerate(links):
-        bottom.text(
-            0.0,
-            row_y[j],
-            f"step {link.step}\n" + PHASE_TITLES[link.what].replace(" / ", " /\n"),
-            ha="left",
-            va="center",
-            fontsize=9,
-        )
-        for k in ranks:
-            text = link.values.get(k, "")
-            if not text:
-                continue
-            hit = k in link.stages
-            bottom.text(
-                lane_x[k],
-                row_y[j],
-                "\n".join(textwrap.fill(part, 54) for part in text.split("\n")),
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="black" if hit else "0.35",
-                bbox={
-                    "boxstyle": "round,pad=0.35",
-                    "fc": "#f6dcdc" if hit else "#f2f2f2",
-                    "ec": ACCENT if hit else "0.7",
-                    "lw": 1.4 if hit else 0.6,
-                },
-            )
-        arrows = []  # down each lane where this link happened, from the lane's box above (else the link above's)
-        for k in link.stages if j else ():
-            src = k if links[j - 1].values.get(k) else links[j - 1].stages[0]
-            arrows.append(((lane_x[src], row_y[j - 1] - 0.36 / n), (lane_x[k], row_y[j] + 0.36 / n)))
-        if link.what == "crash" and link.values.get(link.stages[0] - 1):  # the hidden states it received
-            arrows.append(((lane_x[link.stages[0] - 1] + 0.13, row_y[j]), (lane_x[link.stages[0]] - 0.17, row_y[j])))
-        for start, end in arrows:
-            bottom.add_patch(
-                FancyArrowPatch(
-                    start, end, arrowstyle="-|>", mutation_scale=10, color=ACCENT, lw=1.2, transform=bottom.transAxes
-                )
-            )
-    save_figure(fig, path)
+def ahead_at(rows: list[dict], steps: list[int]) -> dict[int, list[int]]:
+    """Per stage: those of `steps` at which it consumed the most acks (more than another stage)."""
+    ranks, by_step = _by_step(rows)
+    most = {s: max(sum(_acks(r)) for r in by_step[s].values()) for s in steps}
+    return {k: [s for s in steps if sum(_acks(by_step[s][k])) == most[s]] for k in ranks}
 
 
-def chain_figure(out_dir: Path, summary: dict, path: Path, title: str = "") -> list[Link]:
-    """Find the chain in the run written to `out_dir` and draw it into `path`; returns the links."""
-    rows = read_trace(out_dir)
-    links = find_chain(rows, summary)
-    draw_chain(links, rows, summary, path, title)
-    return links
+def differing_steps(rows: list[dict]) -> list[int]:
+    """The steps (every stage recorded) at which the stages' tree digests differ."""
+    _, by_step = _by_step(rows)
+    return [s for s, seen in by_step.items() if len({r["digest"] for r in seen.values()}) > 1]
