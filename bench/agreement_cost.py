@@ -50,7 +50,8 @@ agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, 
 compare within a run, and read the min-max before a difference.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
-block on one stage) and bench/results/agreement_cost.json (machine, code, arguments, medians, min-max, ratios).
+block on one stage) and bench/results/agreement_cost.json (machine, code, arguments, medians, min-max, ratios),
+then prints the CSV's tables as notebook 05 shows them (bench/agreement_tables.py).
 """
 
 from __future__ import annotations
@@ -65,9 +66,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch.distributed as dist
 
-from bench.agreement_primitives import measure_primitives, report_primitives, spread
+from bench.agreement_primitives import measure_primitives
+from bench.agreement_report import report_primitives, spread
+from bench.agreement_tables import HEADER, print_tables
 from bench.common import RESULTS, code_state, machine_info, ratio, usable_cpus, write_csv
 from hicache_lab.config import SYNC_MODES, RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
@@ -281,6 +285,8 @@ def main() -> None:
     write_csv(out / "agreement_cost.csv", rows, CSV_FIELDS)
     (out / "agreement_cost.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"\nwrote {out}/agreement_cost.csv and agreement_cost.json ({report['elapsed_s']:.0f} s)")
+    print(f"\n{HEADER}")
+    print_tables(pd.read_csv(out / "agreement_cost.csv"))
 
 
 if __name__ == "__main__":

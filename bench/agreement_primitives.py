@@ -1,13 +1,13 @@
 """Parts 2 and 3 of `bench.agreement_cost` (its docstring says what they measure), in worlds of gloo processes
 spawned here. Part 2: a modelled pipeline whose stages agree once a step by the relay (`CacheSync._pp_sync`
 verbatim, with the bounded drain), a barrier or an all-reduce over the PP group, or not at all; every stage's
-step time and time in the agreement. Part 3: one combined [write, load] all-reduce vs two, in a tight loop."""
+step time and time in the agreement. Part 3: one combined [write, load] all-reduce vs two, in a tight loop.
+What they print: bench/agreement_report.py."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import ratio
 from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 
 PP_VARIANTS = ("none", "relay", "barrier", "all_reduce")
@@ -221,93 +220,3 @@ def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dic
                 key = (row["scenario"] or "attn", row["variant"], row["metric"])
                 values.setdefault(size, {}).setdefault(key, {}).setdefault(row["rank"], []).append(row["value"])
     return rows, values
-
-
-def spread(values: list[float]) -> dict:
-    """Median, min and max of the blocks (or repeats)."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
-
-
-def _cell(values: list[float], digits: int = 0) -> str:
-    s = spread(values)
-    return f"{s['median']:.{digits}f} [{s['min']:.{digits}f}-{s['max']:.{digits}f}]"
-
-
-def report_primitives(values: dict, args: dict) -> dict:
-    summary: dict = {}
-    blocks, w, k = args["blocks"], args["stage_ms"], args["slow_factor"]
-    print(
-        f"\npart 2: modelled pipeline, {args['steps']} steps after {args['warmup']}, forward {w} ms per stage "
-        f"(slow_last: the last stage's {w * k:g} ms); median [min-max] of {blocks} blocks"
-    )
-    for scenario in SCENARIOS:
-        print(f"\n  {scenario}: pipeline step (ms, last stage) and each stage's time in the agreement (us per step)")
-        print(f"  {'pp':>3} {'variant':>10} {'step ms':>18} {'+ over none':>12}   agreement us per step, by stage")
-        for size, by_key in values.items():
-            none = by_key[(scenario, "none", "step_ms")][size - 1]
-            for variant in PP_VARIANTS:
-                step = by_key[(scenario, variant, "step_ms")][size - 1]
-                extra = [s - n for s, n in zip(step, none, strict=True)]  # same block: same machine state
-                agree = by_key[(scenario, variant, "agree_us_per_step")]
-                drain = by_key[(scenario, variant, "drain_us_per_step")]
-                stages = "  ".join(
-                    f"{r}: {_cell(agree[r])}"
-                    + (f" (drain {statistics.median(drain[r]):.0f})" if r < size - 1 and variant == "relay" else "")
-                    for r in range(size)
-                )
-                print(f"  {size:3} {variant:>10} {_cell(step, 2):>18} {statistics.median(extra):+12.2f}   {stages}")
-                summary.setdefault(str(size), {}).setdefault(scenario, {})[variant] = {
-                    "pipeline_step_ms": spread(step),
-                    "extra_ms_over_none_same_block": spread(extra),
-                    "step_ms_by_stage": {
-                        str(r): spread(by_key[(scenario, variant, "step_ms")][r]) for r in range(size)
-                    },
-                    "agree_us_by_stage": {str(r): spread(agree[r]) for r in range(size)},
-                    "drain_us_by_stage": {str(r): spread(drain[r]) for r in range(size)},
-                    "act_wait_us_by_stage": {
-                        str(r): spread(by_key[(scenario, variant, "act_wait_us_per_step")][r]) for r in range(size)
-                    },
-                }
-    print(
-        "  step ms: the last stage's wall time per step, the pipeline's throughput; '+ over none': the median over "
-        "blocks of (variant - none) in the same block,\n  the agreement's own cost. Relay: a stage before the last "
-        "drains (waits until the next stage has received its previous count) and isends; later stages wait in\n  "
-        "the recv, mostly for the previous stage to start the step, which they would otherwise wait for on the "
-        "activations. Barrier / all-reduce: every\n  stage waits there for the slowest (lockstep)."
-    )
-    print(f"\n  lockstep (slow_last, forwards {w:g} ms and the last stage's {w * k:g} ms): pipeline step, ms")
-    for size, by_key in values.items():
-        none = spread(by_key[("slow_last", "none", "step_ms")][size - 1])
-        relay = spread(by_key[("slow_last", "relay", "step_ms")][size - 1])
-        allred = spread(by_key[("slow_last", "all_reduce", "step_ms")][size - 1])
-        ideal = {"slowest_stage": w * k, "sum_of_stages": w * (size - 1) + w * k}
-        print(
-            f"  PP={size}: none {none['median']:.2f} [{none['min']:.2f}-{none['max']:.2f}], relay "
-            f"{relay['median']:.2f} [{relay['min']:.2f}-{relay['max']:.2f}], all-reduce {allred['median']:.2f} "
-            f"[{allred['min']:.2f}-{allred['max']:.2f}] = {ratio(allred['median'], none['median']):.2f}x none; "
-            f"the slowest forward {ideal['slowest_stage']:g}, all forwards in a row {ideal['sum_of_stages']:g}"
-        )
-        summary.setdefault(str(size), {})["lockstep_slow_last"] = {
-            "none_ms": none,
-            "relay_ms": relay,
-            "all_reduce_ms": allred,
-            "all_reduce/none": ratio(allred["median"], none["median"]),
-            "forward_ms": ideal,
-        }
-    print("\npart 3: attention group of 2 (ranks 0, 1): us per step, [write, load] agreed (MIN); median [min-max]")
-    print(f"  {'pp world':>8} {'rank':>5} {'one 2-elem':>20} {'two 1-elem':>20} {'two/one':>8}")
-    for size, by_key in values.items():
-        one_by, two_by = (
-            by_key[("attn", "combined_1x2", "us_per_step")],
-            by_key[("attn", "separate_2x1", "us_per_step")],
-        )
-        for rank in sorted(one_by):
-            one, two = one_by[rank], two_by[rank]
-            r = ratio(statistics.median(two), statistics.median(one))
-            print(f"  {size:8} {rank:5} {_cell(one):>20} {_cell(two):>20} {r:8.3f}")
-            summary.setdefault(str(size), {})[f"attn_rank_{rank}"] = {
-                "combined_us_per_step": spread(one),
-                "separate_us_per_step": spread(two),
-                "separate/combined": r,
-            }
-    return summary

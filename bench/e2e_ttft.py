@@ -150,10 +150,6 @@ def time_copies(sizes: list[int], device: str, repeats: int) -> list[float | Non
     return times
 
 
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def bound_ms(floor: float, copy: float | None) -> dict:
     """A round's bounds: serial, the copy before the compute (floor + copy); overlap, the copy hidden under it
     (max of the two). None where the copy was not timed."""
@@ -168,7 +164,8 @@ def cut_ratios(row: dict) -> dict:
     l1, got, ratios = row["l1_only_ttft_ms"], row["l1_l2_ttft_ms"], {}
     for name in ("serial", "overlap"):
         bound = row[f"{name}_bound_ms"]
-        ratios[f"cut_vs_{name}"] = None if bound is None else _finite(ratio(l1 - got, l1 - bound))
+        cut = None if bound is None else ratio(l1 - got, l1 - bound)
+        ratios[f"cut_vs_{name}"] = cut if cut is not None and math.isfinite(cut) else None
     return ratios
 
 
@@ -227,9 +224,8 @@ def measure(configs: dict[str, RunConfig], repeats: int) -> list[dict[str, list[
     for repeat in range(repeats):
         rounds = {}
         for label, cfg in configs.items():
-            print(
-                f"=== {label} (device pool {cfg.cache.max_total_tokens} tokens), repeat {repeat + 1} of {repeats} ==="
-            )
+            pool = cfg.cache.max_total_tokens
+            print(f"=== {label} (device pool {pool} tokens), repeat {repeat + 1} of {repeats} ===")
             summary = run(cfg, verbose=True)
             check(summary["completed"], f"{label}: the run failed: {summary['error']}")
             rounds[label] = summary["rounds"]

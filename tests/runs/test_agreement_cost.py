@@ -7,7 +7,10 @@ from __future__ import annotations
 import pandas as pd
 from PIL import Image
 
+from bench.agreement_cost import CSV_FIELDS
 from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, measure_primitives
+from bench.agreement_tables import PART1_SKIPPED, sections
+from bench.common import write_csv
 from hicache_lab.lab.figures.sync_cost import plot_sync_cost
 
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
@@ -37,6 +40,16 @@ def test_every_stage_reports_every_measurement(tmp_path):
     panels = plot_sync_cost(frame, out)
     assert panels == ["stages", "equal", "slow_last"]  # no part 1 here: its panel is left out, not drawn empty
     assert Image.open(out).size[0] > 1000
+
+    write_csv(tmp_path / "agreement_cost.csv", rows, CSV_FIELDS)  # the tables read the CSV back, as notebook 05
+    (skipped, none), (_, steps), (_, stages), (_, attn) = sections(pd.read_csv(tmp_path / "agreement_cost.csv"))
+    assert skipped == PART1_SKIPPED and none is None
+    assert list(steps.index) == [(3, v) for v in PP_VARIANTS] and list(stages.columns) == [
+        "stage 0",
+        "stage 1",
+        "stage 2",
+    ]
+    assert list(attn.columns) == ["one 2-element (us)", "two 1-element (us)", "two/one"] and list(attn.index) == [3]
 
 
 def test_part_1_alone_is_one_panel(tmp_path):
