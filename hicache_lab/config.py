@@ -144,6 +144,7 @@ class CacheConfig:
     prefetch_timeout_per_ki_token_s: float = (
         0.25  # ... plus this per 1,024 tokens asked (prefetch_timeout_per_ki_token)
     )
+    prefetch_capacity_fraction: float = 0.5  # prefetches in flight ask for at most this share of the host pool
     flush_between_rounds: bool = False  # drop device and host caches between rounds: hits must come from L3
 
     def __post_init__(self) -> None:
@@ -178,6 +179,11 @@ class CacheConfig:
         _check(
             self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_ki_token_s >= 0,
             "--prefetch-timeout-base and --prefetch-timeout-per-ki-token must be >= 0 seconds",
+        )
+        _check(
+            0 < self.prefetch_capacity_fraction <= 1,
+            f"CacheConfig.prefetch_capacity_fraction {self.prefetch_capacity_fraction} must be in (0, 1] "
+            "(the share of the host pool that prefetches in flight may ask for)",
         )
         _check(
             bool(self.mooncake_master) == bool(self.mooncake_metadata_url),

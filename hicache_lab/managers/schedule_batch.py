@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..mem_cache.radix_tree import TreeNode
+from ..mem_cache.tree_node import TreeNode
 from ..model import ForwardBatch
 
 

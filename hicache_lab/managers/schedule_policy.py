@@ -14,6 +14,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from ..mem_cache.base import BasePrefixCache
+from ..mem_cache.utils import page_floor
 from .schedule_batch import Req
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -148,7 +149,7 @@ class PrefillAdder:
         if self.rem_chunk_tokens is None and self.can_run and input_tokens >= self.rem_input_tokens:
             return AddReqResult.OTHER  # without chunking the first request may exceed the input budget
         if self.rem_chunk_tokens is not None and input_tokens > self.rem_chunk_tokens:
-            end = (prefix_len + self.rem_chunk_tokens // ps * ps) // ps * ps
+            end = page_floor(prefix_len + page_floor(self.rem_chunk_tokens, ps), ps)
             if end <= prefix_len:
                 return AddReqResult.OTHER
             req.extend_end = end

@@ -6,10 +6,8 @@
     or, when no prefill fits, a decode step: one slot per request (evicting then), retracting requests when
     even eviction cannot free them.
 
-Requests still waiting for their storage prefetch are skipped, not waited for. `process_result()` appends the
-sampled tokens; a request's prompt goes into the tree after its prefill (`cache_unfinished_req`, SGLang's
-`checkpoint_kv_cache`) and its whole sequence at the end (`cache_finished_req`); the host writes those inserts
-ask for start together when it ends (`flush_pending_backups`, as SGLang's `process_batch_result`).
+Requests still waiting for their storage prefetch are skipped, not waited for. `process_result()`
+(batch_result_processor.py) appends the sampled tokens and puts requests into the tree.
 """
 
 from __future__ import annotations
@@ -21,14 +19,16 @@ import torch
 
 from ..errors import PoolExhaustedError, StallError
 from ..mem_cache.base import BasePrefixCache
+from ..mem_cache.utils import match_key
 from ..model import ForwardBatch
+from .batch_result_processor import SchedulerBatchResultProcessor
 from .schedule_batch import Batch, Req
 from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
 
 STALL_STEPS, STALL_S = 1000, 10.0  # idle steps (and seconds) without an ack consumed before a run is stalled
 
 
-class Scheduler:
+class Scheduler(SchedulerBatchResultProcessor):
     """One rank's cache and batch logic; `scheduler_pp.StageLoop` runs the model and moves data between stages.
     It reaches the cache only through the operations of its contract, `mem_cache/base.BasePrefixCache`."""
 
@@ -115,33 +115,6 @@ class Scheduler:
                 "evictable; the agreed counts stay 0"
             )
 
-    def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
-        """Append each request's sampled token (a chunk before the last samples none); a request goes into the
-        tree after its prefill and when it finishes. Returns the finished ones."""
-        if len(tokens) != len(batch.reqs):
-            raise RuntimeError(f"a result of {len(tokens)} tokens for a micro-batch of {len(batch.reqs)} requests")
-        now = time.perf_counter()
-        answered = []
-        for i, (req, token) in enumerate(zip(batch.reqs, tokens, strict=True)):
-            if batch.kind == "prefill" and req.middle_chunks:
-                req.middle_chunks -= 1  # its last row predicts a token of the prompt: nothing to answer
-                continue
-            req.output.append(token)
-            if logits is not None:
-                req.logits.append(logits[i])
-            if batch.kind == "prefill" and not req.first_token_at:
-                req.first_token_at = now
-            answered.append(req)
-        for req in answered:
-            if req.finished:
-                self._cache_finished_req(req)
-            elif batch.kind == "prefill":
-                self._cache_unfinished_req(req)  # SGLang's checkpoint after a prefill
-        self.cache.flush_pending_backups()  # SGLang: "before the next scheduler step"
-        for running in self.running_mbs:
-            running[:] = [r for r in running if not r.finished]
-        return [r for r in answered if r.finished]
-
     # -- prefill ---------------------------------------------------------------------------------------
 
     def _get_new_batch_prefill(self) -> list[Req]:
@@ -156,7 +129,6 @@ class Scheduler:
         )
         if self.chunked_req is not None:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
-        ps = self.page_size
         # SGLang's get_num_allocatable_reqs: the slot's budget, and the free rows plus the one the chunked
         # request (admitted above) already holds
         allocatable = min(self.mb_limit - len(running), rows + len(adder.can_run))
@@ -165,8 +137,7 @@ class Scheduler:
                 break
             if not self._prefetch_ended(req):
                 continue  # SGLang: "skip staging requests that are ongoing prefetch"
-            fill = req.fill_ids
-            match = self.cache.match_prefix(tuple(fill[: (len(fill) - 1) // ps * ps]))
+            match = self.cache.match_prefix(match_key(req.fill_ids, self.page_size))
             if adder.add_one_req(req, match) is not AddReqResult.CONTINUE:
                 break
         admitted = set(map(id, adder.can_run))
@@ -264,27 +235,6 @@ class Scheduler:
         for req in reqs:
             req.kv_len += 1
         return forward
-
-    # -- into the tree ---------------------------------------------------------------------------------
-
-    def _cache_unfinished_req(self, req: Req) -> None:
-        """Insert the whole pages computed so far; the request's row takes the tree's slots, its lock moves."""
-        aligned = req.kv_len // self.page_size * self.page_size
-        tokens = tuple(req.fill_ids[:aligned])
-        slots, req.last_node = self.cache.cache_unfinished_req(
-            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len
-        )
-        req.slots = torch.cat([slots, req.slots[aligned:]])
-        req.prefix_len, req.checkpointed = aligned, req.kv_len
-        req.inserted_len = max(req.inserted_len, aligned)
-
-    def _cache_finished_req(self, req: Req) -> None:
-        """Insert the finished sequence's whole pages; free duplicates and the unused tail; unlock."""
-        aligned = req.kv_len // self.page_size * self.page_size
-        tokens = tuple(req.fill_ids[:aligned])
-        self.cache.cache_finished_req(
-            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len, len(req.prompt)
-        )
 
     def new_round(self, flush: bool) -> None:
         """A round begins, nothing running: check the cache's invariants; with --flush-cache-between-rounds

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..config import WorkloadConfig
-from ..mem_cache.radix_tree import page_hashes
+from ..mem_cache.utils import match_key, page_floor, page_hashes
 from ..mooncake_trace import read_mooncake_trace
 from .schedule_batch import Req
 
@@ -88,16 +88,15 @@ class InfiniteCache:
         self.seen: set[str] = set()
 
     def match(self, req: Req) -> int:
-        usable = (len(req.prompt) - 1) // self.page_size * self.page_size
         matched = 0
-        for h in page_hashes(tuple(req.prompt[:usable]), self.page_size):
+        for h in page_hashes(match_key(req.prompt, self.page_size), self.page_size):
             if h not in self.seen:
                 break
             matched += self.page_size
         return matched
 
     def add(self, req: Req) -> None:
-        aligned = req.kv_len // self.page_size * self.page_size
+        aligned = page_floor(req.kv_len, self.page_size)
         self.seen.update(page_hashes(tuple((req.prompt + req.output)[:aligned]), self.page_size))
 
 

@@ -1,6 +1,7 @@
 """The one wiring of a rank's cache: device pool and allocator; with the host tier, the copy engine, host pool,
 controller, storage tier and `HiRadixCache`. The launcher (entrypoints/rank.py), the tour, the exhaustive check
 and the tests all build their cache here, so each of them runs the cache that `python -m hicache_lab run` runs.
+`one_rank_cache` is that cache in a world of one (the tour, the radix and conformance tests).
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig
+from ..config import CacheConfig, ParallelConfig
 from ..distributed.cache_sync import CacheSync
+from ..distributed.parallel_state import Groups, RankLayout, build_groups
 from .base import CopyEngine, StorageBackend
 from .cache_controller import HiCacheController
 from .copy_engine import make_copy_engine
@@ -73,3 +75,16 @@ def build_cache(
         writer = is_storage_writer(cfg, sync.groups.layout)
         tier = StorageTier(cfg, backend, host_pool, host_alloc, sync, writer=writer, seed=seed, rank=rank)
     return pool, HiRadixCache(cfg, device_alloc, sync, controller, tier)
+
+
+def one_rank_cache(
+    cfg: CacheConfig, groups: Groups | None = None, *, num_layers: int = 2, check_copies: bool = False, seed: int = 0
+) -> tuple[DeviceKVPool, RadixCache]:
+    """`build_cache` for a world of one: the agreements run on its size-1 groups (`groups`, or built here on the
+    default process group, which must exist), with every fix, as on many ranks; the pools hold `num_layers`
+    layers of one head of 2 dimensions on the CPU."""
+    if groups is None:
+        groups = build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
+    sync = CacheSync("fixed", groups, ParallelConfig().fixes)
+    kv = KVShape(num_layers, num_heads=1, head_dim=2)
+    return build_cache(cfg, kv, sync, check_copies=check_copies, seed=seed)

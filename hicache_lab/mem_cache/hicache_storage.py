@@ -1,6 +1,6 @@
 """L3 storage backends: where host pages go to outlive the host pool (and the process).
 
-A page is stored under its key: the page's sha256 chain hash (radix_tree.page_hashes) plus a suffix naming the
+A page is stored under its key: the page's sha256 chain hash (utils.page_hashes) plus a suffix naming the
 model (a fingerprint of everything in its config that changes the bytes, and the dtype: SGLang's keys leave the
 dtype out, #33268), the TP shard and the PP stage's layers. Who writes (`is_storage_writer`,
 `--hicache-storage-writers`):

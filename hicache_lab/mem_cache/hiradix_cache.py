@@ -3,11 +3,10 @@
 Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit (both
 only under a backed-up parent, so their host copies stay contiguous from the root; a batch's writes start
 together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
-consumed, by a count every rank agreed on. A backed-up leaf evicted from the device stays host-only and can be
-loaded back (all or nothing, from `load_back_threshold` tokens). Host eviction removes host-only leaves; under
-write_back it first drops the host copies of nodes also on the device. Eviction for a copy frees only what the
-pool lacks. The storage tier moves pages; only this class changes the tree. Each of these is checked against
-SGLang 0.5.23's own cache (lab/conformance.py).
+consumed, by a count every rank agreed on (`check_hicache_events`). A copy's slots are reserved on every rank or
+on none (`reserve`). Eviction is hiradix_eviction.py's; load back and the insertion of prefetched pages are
+hiradix_load_back.py's. The storage tier moves pages; only this class and its mixins change the tree. Each of
+these is checked against SGLang 0.5.23's own cache (lab/conformance.py).
 """
 
 from __future__ import annotations
@@ -19,23 +18,20 @@ from ..distributed.cache_sync import CacheSync
 from ..errors import AllocationError
 from .base import BaseHiCache
 from .cache_controller import HiCacheController
+from .hiradix_eviction import HiRadixEviction, make_room
+from .hiradix_load_back import HiRadixLoadBack
 from .memory_pool import PageAllocator
 from .radix_cache import RadixCache
-from .radix_tree import InsertResult, TreeNode, evict_lru
+from .radix_tree import InsertResult
 from .storage_tier import StorageTier
+from .tree_node import TreeNode
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 
 
-def _make_room(alloc: PageAllocator, num_tokens: int, evict) -> None:
-    """Evict what `alloc` lacks for `num_tokens` (the shortfall, as SGLang's `_execute_kv_backup` and
-    `_load_back_transfers` do)."""
-    shortfall = num_tokens - alloc.available_size()
-    if shortfall > 0:
-        evict(shortfall)
-
-
-class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstract methods must be met here
+# The mixins, then BaseHiCache before RadixCache: BaseHiCache's abstract methods must be met here or in a mixin
+# (the device-only cache's empty defaults do not count).
+class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
     def __init__(
         self,
         cfg: CacheConfig,
@@ -78,7 +74,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
         """Start backing `node` up to the host; it stays locked until the write ack is consumed."""
         if node.parent is not self.tree.root and not node.parent.backuped:
             return 0
-        _make_room(self.host_alloc, len(node.key), self.evict_host)
+        make_room(self.host_alloc, len(node.key), self.evict_host)
         host_indices = self.reserve(self.host_alloc, len(node.key), f"the host write of node {node.id}")
         if host_indices is None:
             return 0
@@ -90,7 +86,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
 
     def _write_back(self, node: TreeNode) -> None:
         """write_back: copy an evicting node to the host now and wait for it (if the host has room)."""
-        _make_room(self.host_alloc, len(node.key), self.evict_host)
+        make_room(self.host_alloc, len(node.key), self.evict_host)
         host_indices = self.reserve(self.host_alloc, len(node.key), f"the write-back of node {node.id}")
         if host_indices is not None:
             node.host_value = host_indices
@@ -216,44 +212,7 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
     def waits_on_storage(self) -> bool:
         return self.storage is not None and self.storage.busy()
 
-    # -- storage -------------------------------------------------------------------------------------
-
-    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
-        """Worth it (at least `prefetch_threshold` tokens beyond what the tree holds, below a node with a host
-        copy, as SGLang's `_prefetch_kvcache` asks): the tier starts the fetch; the anchor the pages will hang
-        below keeps its host copy (host-protected, not locked: the device may evict it) until it ends."""
-        if self.storage is None:
-            return
-        ps = self.cfg.page_size
-        key = tuple(prompt[: (len(prompt) - 1) // ps * ps])
-        match = self.match_prefix(key)
-        anchor = match.last_host_node if match.host_hit_length else match.last_device_node
-        held = len(match.device_indices) + match.host_hit_length
-        if anchor is not self.tree.root and not anchor.backuped:
-            return  # storage is written from the host: nothing below an unbacked node can be there
-        if len(key) - held >= self.cfg.prefetch_threshold and self.storage.prefetch(rid, anchor, key[held:]):
-            self.tree.protect_host(anchor)
-
-    def check_prefetch_progress(self, rid: int) -> int | None:
-        """None while request `rid`'s prefetch must still run (agreed); else the tokens it inserted: the pages
-        every rank holds, as host-only nodes below its anchor (0 without a prefetch)."""
-        if self.storage is None:
-            return 0
-        if not self.storage.prefetch_ready(rid):
-            return None
-        taken = self.storage.take_prefetch(rid)
-        if taken is None:
-            return 0
-        op, pages = taken
-        n = pages * self.cfg.page_size
-        if op.host_slots is not None:
-            inserted = self.tree.insert_host(op.anchor, op.tokens[:n], op.host_slots[:n])
-            unused = torch.ones(len(op.host_slots), dtype=torch.bool)
-            unused[inserted] = False
-            if unused.any():
-                self.host_alloc.free(op.host_slots[unused])
-        self.tree.release_host(op.anchor)
-        return n
+    # -- flush, time and observation -----------------------------------------------------------------
 
     def flush(self) -> None:
         """Copies in flight are finished and consumed first, alike on every rank; then host and device go."""
@@ -269,118 +228,6 @@ class HiRadixCache(BaseHiCache, RadixCache):  # BaseHiCache first, so its abstra
             self.device_alloc.free(node.value)
         if node.backuped:
             self.host_alloc.free(node.host_value)
-
-    # -- eviction ------------------------------------------------------------------------------------
-
-    def _evict_leaf(self, node: TreeNode) -> int:
-        """A backed-up leaf loses only its device copy; write_back copies it to the host first."""
-        if not node.backuped and self.cfg.write_policy == "write_back":
-            self._write_back(node)
-        freed = len(node.value)
-        self._traced_evictions.append([node.id, freed])
-        self.device_alloc.free(node.value)
-        if node.backuped:
-            self.tree.set_device(node, None)
-        else:
-            self._delete_subtree(node)
-        return freed
-
-    def _delete_subtree(self, node: TreeNode) -> None:
-        """Remove a node whose device copy is gone and which has no host copy, with its host-only subtree."""
-        for child in list(node.children.values()):
-            self._delete_subtree(child)
-        if node.backuped:
-            self.host_alloc.free(node.host_value)
-        self.tree.delete_leaf(node)
-
-    def evict_host(self, num_tokens: int) -> int:
-        """Free host slots: under write_back, host copies of nodes also on the device first (SGLang 0.5.23's
-        `_reclaim_full_host_duplicates`), then host-only leaves, least recently used first."""
-        freed = self._reclaim_host_duplicates(num_tokens) if self.cfg.write_policy == "write_back" else 0
-        return freed + evict_lru(self.tree.evictable_host_leaves, num_tokens - freed, self._evict_host_leaf)
-
-    def _reclaim_host_duplicates(self, num_tokens: int) -> int:
-        """Drop host copies of nodes also on the device, in the order they became duplicates: a first pass
-        spares device leaves (the next device eviction would keep their host copy), a second takes them. A node
-        a load is filling, or whose own host copy is protected, keeps it."""
-        freed, swept = 0, []
-        for spare_leaves in (True, False):
-            leaves = self.tree.evictable_leaves if spare_leaves else set()
-            for node in self.tree.host_duplicates.values():
-                if freed >= num_tokens:
-                    break
-                if node.evicted or not node.backuped:
-                    swept.append(node.id)  # lost a tier since it registered
-                    continue
-                own_protection = node.host_ref - sum(c.host_ref for c in node.children.values())
-                if node in leaves or node.load_pending is not None or own_protection > 0:
-                    continue
-                freed += len(node.host_value)
-                self.host_alloc.free(node.host_value)
-                node.host_value = None
-                swept.append(node.id)
-        for node_id in swept:
-            self.tree.host_duplicates.pop(node_id, None)
-        return freed
-
-    def _evict_host_leaf(self, node: TreeNode) -> int:
-        freed = len(node.host_value)
-        self.host_alloc.free(node.host_value)
-        self.tree.delete_leaf(node)
-        return freed
-
-    # -- load back -----------------------------------------------------------------------------------
-
-    def load_back(self, node: TreeNode) -> torch.Tensor | None:
-        """Queue a load of the evicted chain ending at `node`; its device slots, or None if not worth it."""
-        nodes_to_load = []
-        while node.evicted:
-            nodes_to_load.insert(0, node)
-            node = node.parent
-        ancestor, last_hit = node, nodes_to_load[-1]
-        host_indices = torch.cat([n.host_value for n in nodes_to_load])
-        if len(host_indices) < self.cfg.load_back_threshold:
-            return None
-        # Making room may evict, and a write-back eviction may evict from the host: neither may take the chain.
-        self.inc_lock_ref(ancestor)
-        for n in nodes_to_load:
-            self.tree.protect_host(n)
-        _make_room(self.device_alloc, len(host_indices), self.evict)
-        device_indices = self.reserve(self.device_alloc, len(host_indices), f"the load back of node {last_hit.id}")
-        for n in nodes_to_load:
-            self.tree.release_host(n)
-        self.dec_lock_ref(ancestor)
-        if device_indices is None:
-            return None
-        self.controller.load(host_indices, device_indices, last_hit.id)
-        offset = 0
-        for n in nodes_to_load:
-            self.tree.set_device(n, device_indices[offset : offset + len(n.host_value)])
-            n.load_pending = last_hit.id
-            offset += len(n.host_value)
-        self.ongoing_load_back[last_hit.id] = last_hit
-        self.inc_lock_ref(last_hit)
-        return device_indices
-
-    def init_load_back(self, last_node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
-        if last_node.evicted:
-            loaded = self.load_back(last_node)
-            if loaded is not None:
-                return loaded, last_node
-            while last_node.evicted:
-                last_node = last_node.parent
-        return self.tree.root.value, last_node
-
-    def lock_match(self, match) -> tuple[torch.Tensor, TreeNode]:
-        if match.host_hit_length == 0:
-            return super().lock_match(match)
-        loaded, last = self.init_load_back(match.last_host_node)
-        self.inc_lock_ref(last)
-        self.dec_lock_ref(match.last_device_node)
-        return torch.cat([match.device_indices, loaded]), last
-
-    def start_loading(self):
-        return self.controller.start_loading()
 
     def advance(self, step: int) -> None:
         self.controller.engine.advance(step)

@@ -14,7 +14,9 @@ from ..config import CacheConfig
 from ..errors import PoolExhaustedError
 from .base import BasePrefixCache
 from .memory_pool import PageAllocator
-from .radix_tree import InsertResult, MatchResult, RadixTree, TreeNode, evict_lru
+from .radix_tree import InsertResult, MatchResult, RadixTree, evict_lru
+from .tree_node import TreeNode
+from .utils import page_floor
 
 
 class RadixCache(BasePrefixCache):
@@ -69,7 +71,7 @@ class RadixCache(BasePrefixCache):
     def cache_finished_req(self, tokens, slots, prefix_len: int, last_node, inserted_len: int = 0, prompt_len: int = 0):
         aligned = len(tokens)
         inserted = self._insert_req(tokens, slots, prefix_len, inserted_len)
-        prompt = prompt_len // self.cfg.page_size * self.cfg.page_size
+        prompt = page_floor(prompt_len, self.cfg.page_size)
         if 0 < prompt < aligned:  # the answer's own leaf; nothing to free, nothing counts
             self._insert(tokens[:prompt], slots[:prompt], prompt)
         if len(slots) > aligned:

@@ -1,19 +1,16 @@
 """The radix tree of token prefixes, with a device tier (`value`) and a host tier (`host_value`).
 
-A node is in one of three states: device-only, device+host, or host-only (`evicted`: it stays in the tree
-and can be loaded back). Keys are page-aligned. The tree knows nothing of pools or copies: `HiRadixCache`
-(hiradix_cache.py) decides policy; this module keeps the structure and its invariants:
+Its nodes are `TreeNode`s (tree_node.py) and its keys are page-aligned. The tree knows nothing of pools or
+copies: `HiRadixCache` (hiradix_cache.py) decides policy; this module keeps the structure and its invariants:
 
 * every non-root node has a device copy or a host copy (evicted => backed up);
 * the device tier is prefix-closed: an evicted node has only evicted children;
 * `lock_ref > 0` => not evictable; locks propagate to the root, so a parent's lock_ref >= its child's;
-* `hashes[i]` = sha256(previous page's hash + page i's tokens), chained from the root, computed when first
-  asked for (`node_hashes`; only the storage tier asks), as SGLang leaves `hash_value` unset until needed.
+* `hashes[i]` = sha256(previous page's hash + page i's tokens), chained from the root (utils.page_hashes),
+  computed when first asked for (tree_node.node_hashes).
 
-The tree keeps what eviction asks for as it changes, as SGLang's `RadixCache` does, rather than by walking the
-tree: the evictable device leaves, the evictable host leaves and the evictable token count. Every change of a
-node's device copy, children, lock or host protection goes through this class so that they stay right
-(`check_integrity` recomputes them).
+What eviction asks for (the evictable leaves of each tier, the evictable token count) the tree keeps as it
+changes, through `EvictableIndex` (radix_evictable.py): locks, host protection and device copies change there.
 
 LRU uses a logical clock (one tick per access), never wall time, so ranks that take the same decisions
 hold the same tree.
@@ -24,60 +21,13 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-Key = tuple[int, ...]
-
-
-def page_hashes(tokens: Key, page_size: int, prev: str = "") -> list[str]:
-    """The chained sha256 of every full page of `tokens`, continuing from the hash `prev`."""
-    hashes = []
-    for start in range(0, len(tokens) - page_size + 1, page_size):
-        page = np.asarray(tokens[start : start + page_size], dtype="<u4").tobytes()
-        prev = hashlib.sha256(bytes.fromhex(prev) + page).hexdigest()
-        hashes.append(prev)
-    return hashes
-
-
-@dataclass(eq=False, slots=True)
-class TreeNode:
-    id: int
-    parent: TreeNode | None
-    key: Key
-    value: torch.Tensor | None  # device slots; None once evicted
-    host_value: torch.Tensor | None = None  # host slots; None until backed up
-    hashes: list[str] | None = None  # page hashes; None until first asked for (node_hashes)
-    children: dict[Key, TreeNode] = field(default_factory=dict)
-    lock_ref: int = 0
-    host_ref: int = 0  # host protection: > 0 => not host-evictable
-    hit_count: int = 0
-    last_access: int = 0
-    load_pending: int | None = None  # id of the load back still filling this node's device copy
-    write_pending: int | None = None  # id of the host write in flight that covers this node (a split keeps it)
-
-    @property
-    def evicted(self) -> bool:
-        return self.value is None
-
-    @property
-    def backuped(self) -> bool:
-        return self.host_value is not None
-
-
-def node_hashes(node: TreeNode, page_size: int) -> list[str]:
-    """`node`'s page hashes, computed (with those of its ancestors that lack theirs) on first use."""
-    chain = []
-    while node.hashes is None:
-        chain.append(node)
-        node = node.parent
-    prev = node.hashes[-1] if node.hashes else ""  # the root's list is empty: a chain starts from ""
-    for n in reversed(chain):
-        n.hashes = page_hashes(n.key, page_size, prev)
-        prev = n.hashes[-1]
-    return (chain[0] if chain else node).hashes
+from .radix_evictable import EvictableIndex
+from .tree_node import TreeNode
+from .utils import Key, page_floor, page_hashes
 
 
 def lru_order(node: TreeNode) -> tuple[int, int]:
@@ -118,7 +68,7 @@ class InsertResult:
     matched: int = 0  # leading tokens the tree already held on either tier (SGLang's InsertResult.prefix_len)
 
 
-class RadixTree:
+class RadixTree(EvictableIndex):
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.clock = 0
@@ -235,7 +185,7 @@ class RadixTree:
 
     def match_prefix(self, key: Key) -> MatchResult:
         """Longest page-aligned match of `key`."""
-        path, _ = self._walk(key[: len(key) // self.page_size * self.page_size], self.root)
+        path, _ = self._walk(key[: page_floor(len(key), self.page_size)], self.root)
         node = path[-1] if path else self.root
         last_host_node, host_hit = node, 0
         while node.value is None:
@@ -278,82 +228,6 @@ class RadixTree:
             leaf.host_value = host_value[done:].clone()
         return torch.arange(done, len(key))
 
-    def set_device(self, node: TreeNode, value: torch.Tensor | None) -> None:
-        """Give `node` a device copy (`value`, slots) or take it away (None): a load back, an adoption at
-        insert, an eviction that leaves the node host-only."""
-        if node.lock_ref == 0:
-            self._evictable_tokens += (0 if value is None else len(value)) - (
-                0 if node.value is None else len(node.value)
-            )
-        node.value = value
-        self._update_leaf(node)
-        self._update_leaf(node.parent)
-
-    def delete_leaf(self, node: TreeNode) -> None:
-        assert not node.children and node is not self.root and node.lock_ref == 0, "only an unlocked leaf goes"
-        del node.parent.children[node.key[: self.page_size]]
-        self.host_duplicates.pop(node.id, None)
-        self.evictable_leaves.discard(node)
-        self.evictable_host_leaves.discard(node)
-        if node.value is not None and node.lock_ref == 0:
-            self._evictable_tokens -= len(node.value)
-        self._update_leaf(node.parent)
-
-    def _update_leaf(self, node: TreeNode) -> None:
-        """Put `node` in or out of the evictable leaf sets, from its own state and its children's. A node no
-        longer in the tree (a release of host protection may reach one that was deleted) joins neither."""
-        if node is self.root or node.parent.children.get(node.key[: self.page_size]) is not node:
-            return
-        if node.value is None:
-            self.evictable_leaves.discard(node)
-            if node.host_ref == 0 and not node.children:
-                self.evictable_host_leaves.add(node)
-            else:
-                self.evictable_host_leaves.discard(node)
-        else:
-            self.evictable_host_leaves.discard(node)
-            if node.lock_ref == 0 and all(c.value is None for c in node.children.values()):
-                self.evictable_leaves.add(node)
-            else:
-                self.evictable_leaves.discard(node)
-
-    # -- locks -------------------------------------------------------------------------------------
-
-    def inc_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
-            if node.lock_ref == 0:
-                if node.value is not None:
-                    self._evictable_tokens -= len(node.value)
-                self.evictable_leaves.discard(node)
-            node.lock_ref += 1
-            node = node.parent
-
-    def dec_lock_ref(self, node: TreeNode) -> None:
-        while node is not self.root:
-            assert node.lock_ref > 0, f"unbalanced lock_ref on node {node.id}"
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                if node.value is not None:
-                    self._evictable_tokens += len(node.value)
-                self._update_leaf(node)
-            node = node.parent
-
-    def protect_host(self, node: TreeNode) -> None:
-        """Keep `node`'s host copy from host eviction (while storage reads or writes it). Like locks, the
-        protection propagates to the root, so a split keeps both halves protected and release undoes both."""
-        while node is not self.root:
-            node.host_ref += 1
-            self.evictable_host_leaves.discard(node)
-            node = node.parent
-
-    def release_host(self, node: TreeNode) -> None:
-        while node is not self.root:
-            assert node.host_ref > 0, f"unbalanced host_ref on node {node.id}"
-            node.host_ref -= 1
-            if node.host_ref == 0:
-                self._update_leaf(node)
-            node = node.parent
-
     # -- queries -----------------------------------------------------------------------------------
 
     def nodes(self) -> Iterator[TreeNode]:
@@ -370,12 +244,6 @@ class RadixTree:
             chain.append(node.value)
             node = node.parent
         return torch.cat(chain[::-1]) if chain else self.root.value
-
-    def evictable_size(self) -> int:
-        return self._evictable_tokens
-
-    def protected_size(self) -> int:
-        return sum(len(n.value) for n in self.nodes() if not n.evicted and n.lock_ref > 0)
 
     def device_size(self) -> int:
         return sum(len(n.value) for n in self.nodes() if not n.evicted)
@@ -407,16 +275,6 @@ class RadixTree:
                 assert parent.hashes is not None, f"{where}: hashed below a parent without hashes"
                 assert node.hashes == page_hashes(node.key, ps, prev), f"{where}: hash chain broken"
         self._check_bookkeeping()
-
-    def _check_bookkeeping(self) -> None:
-        """The leaf sets and the evictable token count equal what a walk of the tree finds."""
-        nodes = list(self.nodes())
-        leaves = {n for n in nodes if not n.evicted and n.lock_ref == 0 and all(c.evicted for c in n.children.values())}
-        host_leaves = {n for n in nodes if n.evicted and not n.children and n.host_ref == 0}
-        evictable = sum(len(n.value) for n in nodes if not n.evicted and n.lock_ref == 0)
-        assert self.evictable_leaves == leaves, "evictable device leaves out of date"
-        assert self.evictable_host_leaves == host_leaves, "evictable host leaves out of date"
-        assert self._evictable_tokens == evictable, f"evictable tokens {self._evictable_tokens}, walk finds {evictable}"
 
     def digest(self) -> str:
         """A hash of structure, tiers, locks and host protection (not slot indices): equal trees, equal digests.

@@ -6,17 +6,8 @@
   rank writes its own copy (`--hicache-storage-writers every-rank`, SGLang's MHA path), or CP rank 0 alone for
   its CP group (`one`, SGLang's `is_storage_writer` for rank-replicated KV): the others queue and acknowledge
   the backup without writing (SGLang's `backup_skip`).
-* **Prefetch** (SGLang 0.5.23's flow) - when a request arrives, the prefetch thread asks storage how many leading
-  pages of the part of its prompt the tree does not hold it has, and agrees on the MIN with its peers on its own
-  gloo groups, across stages too (a background thread is not held by the pipeline). The scheduler takes the
-  answers in issue order, by a count agreed in the step's check (SGLang's `prefetch_hit_queue`): below the
-  threshold the prefetch is revoked, else host slots are allocated for the hit (evicting from the host; a
-  shorter prefix when the host cannot hold it all) and the read thread reads the pages in batches of 128. After
-  every batch it agrees how many pages have arrived (SGLang 0.5.23's progressive prefetch acks, reduced on
-  their own `prefetch_completion_sync_groups`): with `prefetch_completion` the MIN over every rank that reads
-  them, across stages too, so a page damaged on one rank is a miss on all. At admission (`prefetch_ready`, on
-  the scheduler's groups) PP rank 0 decides whether to stop waiting (MAX over its attention peers, relayed down
-  the pipeline), and `take_prefetch` how many of the agreed pages to keep (MIN, relayed).
+* **Prefetch** - when a request arrives, the pages of its prompt the tree does not hold are asked of storage,
+  agreed, read into host slots in batches and agreed again (`StoragePrefetch`, storage_prefetch.py).
 
 The tier never changes the tree: `HiRadixCache` protects the host copy of a prefetch's anchor and of what a
 backup reads, inserts the pages that arrived, and releases both when the tier hands the operation back.
@@ -36,21 +27,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from ..config import CacheConfig
-from ..distributed.cache_sync import MAX, CacheSync
+from ..distributed.cache_sync import CacheSync
 from .base import StorageBackend
 from .memory_pool import PageAllocator
 from .memory_pool_host import HostKVPool
-from .radix_tree import TreeNode, node_hashes, page_hashes
+from .storage_prefetch import PrefetchOp, StoragePrefetch
+from .tree_node import TreeNode, node_hashes
 
 log = logging.getLogger(__name__)
-STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 
 
 @dataclass(eq=False)
@@ -60,31 +50,6 @@ class BackupOp:
     pages: list[torch.Tensor]
     due: int = 0  # virtual: the step it completes
     done: threading.Event = field(default_factory=threading.Event)
-
-
-@dataclass(eq=False)
-class PrefetchOp:
-    anchor: TreeNode  # the deepest matched node: fetched pages hang below it
-    tokens: tuple[int, ...]  # page-aligned prompt tokens beyond the anchor
-    hashes: list[str]
-    created: int  # the step it was issued
-    query_due: int = 0  # virtual: the step its hit query counts as answered
-    found: int = 0  # leading pages storage holds, agreed by the query thread
-    queried: threading.Event = field(default_factory=threading.Event)
-    host_slots: torch.Tensor | None = None  # allocated once the hit is known, sized to it
-    plan: int = 0  # pages the read thread goes through, batch by batch, on every rank: the agreed hit (0: revoked)
-    hits: int | None = None  # pages this rank reads (<= plan, 0: no host room); None until the query is taken
-    due: list[int] = field(default_factory=list)  # virtual: per batch, the step its read counts as done
-    waiting_since: float | None = None  # real `timeout`: when admission first had to wait for it
-    arrived: int = 0  # leading pages read into host slots on this rank
-    failed: bool = False  # a page could not be read here: no more arrive
-    agreed: list[int] = field(default_factory=list)  # per batch read, the pages arrived as the ranks agreed
-    terminated: bool = False  # the scheduler took what arrived: the worker must not write any more
-    progress: threading.Condition = field(default_factory=threading.Condition)  # guards the fields above
-
-    def batches(self) -> list[slice]:
-        """The page ranges of its storage reads, the same on every rank."""
-        return [slice(i, min(i + STORAGE_BATCH_PAGES, self.plan)) for i in range(0, self.plan, STORAGE_BATCH_PAGES)]
 
 
 @dataclass
@@ -98,7 +63,7 @@ class StorageStats:
     pages_backed_up: int = 0
 
 
-class StorageTier:
+class StorageTier(StoragePrefetch):
     def __init__(
         self,
         cfg: CacheConfig,
@@ -120,8 +85,8 @@ class StorageTier:
         self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until admission takes them
         self.queries: list[PrefetchOp] = []  # FIFO of hit queries whose answer the scheduler has not taken
         self.stats = StorageStats()
-        # SGLang 0.5.23's limit: prefetches in flight may ask for at most half of the host pool
-        self.prefetch_capacity = int(0.5 * host_alloc.size)
+        # prefetches in flight may ask for at most this share of the host pool (SGLang 0.5.23: half)
+        self.prefetch_capacity = int(cfg.prefetch_capacity_fraction * host_alloc.size)
         self.error: BaseException | None = None  # from a worker thread, raised on the scheduler's next call
         workers = {"query": self._query, "read": self._read} | (
             {"backup": self._write} if cfg.latency == "real" else {}
@@ -197,172 +162,6 @@ class StorageTier:
     def busy(self) -> bool:
         """Backups or prefetches in flight (they hold host protection, locks or requests)."""
         return bool(self.prefetches or self.backups or self.queries)
-
-    # -- prefetch ----------------------------------------------------------------------------------
-
-    def prefetch(self, rid: int, anchor: TreeNode, tokens: tuple[int, ...]) -> bool:
-        """Start fetching `tokens` (page-aligned, following `anchor`): the query thread asks storage. Skipped
-        (False) while prefetches in flight ask for half the host pool (SGLang's rate limit)."""
-        if sum(len(op.tokens) for op in self.prefetches.values()) >= self.prefetch_capacity:
-            self.stats.rate_limited += 1
-            return False
-        chain = node_hashes(anchor, self.cfg.page_size)
-        hashes = page_hashes(tokens, self.cfg.page_size, chain[-1] if chain else "")
-        op = PrefetchOp(anchor, tokens, hashes, self.step)
-        op.query_due = self._due(self.queries[-1].query_due if self.queries else 0)
-        self.prefetches[rid] = op
-        self.queries.append(op)
-        self.stats.prefetches += 1
-        self.queues["query"].put(op)
-        return True
-
-    def _query(self, op: PrefetchOp) -> None:
-        """The query thread: leading pages in storage, agreed (MIN) over the prefetch groups."""
-        try:
-            found = self.backend.batch_exists(op.hashes)
-        except Exception as exc:  # a store gone away: nothing found, and this rank still votes
-            log.warning("storage lookup of %d pages failed: %s", len(op.hashes), exc)
-            found = 0
-        (op.found,) = self.sync.agree_storage([found])
-        op.queried.set()
-
-    def queries_done(self) -> int:
-        """Answered hit queries at the head of the queue (this rank's own view)."""
-        self._check_worker()
-        done = 0
-        for op in self.queries:
-            if not (op.query_due <= self.step if not self.threaded else op.queried.is_set()):
-                break
-            done += 1
-        return done
-
-    def take_queries(self, count: int, make_room, allocate) -> None:
-        """The agreed `count` answers, in issue order (waiting for this rank's own where needed): a prefetch
-        already ended, or whose hit is below the threshold, is revoked; the others get host slots for their
-        hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
-        the threshold) and start reading. Allocating needs no agreement of its own: the read thread goes through
-        the agreed hit's batches on every rank, and one that could not allocate (all or part of it) reads
-        nothing there, so the pages agreed arrived are only those every rank holds."""
-        ps = self.cfg.page_size
-        for op in self.queries[:count]:
-            while not op.queried.wait(0.05):
-                self._check_worker()
-            pages = op.found
-            if op.terminated or pages * ps < self.cfg.prefetch_threshold:
-                self.stats.revoked += not op.terminated
-                op.hits = 0
-                continue
-            if self.host_alloc.available_size() < pages * ps:
-                make_room(pages * ps - self.host_alloc.available_size())
-            op.plan, pages = pages, min(pages, self.host_alloc.available_size() // ps)
-            slots = allocate(self.host_alloc, pages * ps) if pages * ps >= self.cfg.prefetch_threshold else None
-            op.host_slots, op.hits = slots, pages if slots is not None else 0
-            self.stats.no_host_room += slots is None
-            previous = self.step
-            for _ in op.batches() if not self.threaded else ():
-                previous = self._due(previous)
-                op.due.append(previous)
-            self.queues["read"].put(op)
-        self.queries = self.queries[count:]
-
-    def _read(self, op: PrefetchOp) -> None:
-        """The read thread: every batch in turn, then the pages arrived so far agreed (`agree_prefetch_completion`).
-        A batch after a failure, or after the scheduler ended the prefetch (its host slots may be freed), reads
-        nothing but is agreed all the same: every rank enters as many collectives."""
-        pages = list(op.host_slots.split(self.cfg.page_size)) if op.hits else []
-        for batch in op.batches():
-            with op.progress:
-                if not (op.terminated or op.failed):
-                    mine = slice(batch.start, min(batch.stop, op.hits))  # what this rank has host slots for
-                    read = self._read_pages(op.hashes[mine], pages[mine]) if mine.stop > mine.start else 0
-                    op.arrived += read
-                    op.failed = read < batch.stop - batch.start  # a missing or damaged page ends it there
-                arrived = op.arrived
-            (agreed,) = self.sync.agree_prefetch_completion([arrived])
-            with op.progress:
-                op.agreed.append(agreed)
-                op.progress.notify_all()
-
-    def _read_pages(self, hashes: list[str], pages: list[torch.Tensor]) -> int:
-        try:
-            return self.backend.batch_get(hashes, self.host_pool, pages)
-        except Exception as exc:  # a store gone away mid-read: what did not arrive is a miss
-            log.warning("storage read of %d pages failed: %s", len(hashes), exc)
-            return 0
-
-    def _agreed(self, op: PrefetchOp) -> tuple[int, bool]:
-        """(pages this rank counts as arrived, whether no more will): under real latency what the read thread
-        has agreed so far; under virtual latency what it agreed for the batches due by now (waiting for it)."""
-        if op.hits is None:
-            return 0, False
-        batches = op.batches()
-        with op.progress:
-            due = len(op.agreed) if self.threaded else sum(d <= self.step for d in op.due)
-            while len(op.agreed) < due:
-                self._check_worker()
-                op.progress.wait(0.05)
-            agreed = op.agreed[:due]
-        if not agreed:
-            return 0, not batches
-        pages = agreed[-1]
-        return pages, len(agreed) == len(batches) or pages < batches[len(agreed) - 1].stop
-
-    def _timed_out(self, op: PrefetchOp) -> bool:
-        """`timeout`: steps since issue under virtual latency; under real latency wall time since admission
-        first waited for it, past SGLang 0.5.23's 1 s plus 0.25 s per 1,024 tokens asked."""
-        if not self.threaded:
-            return self.step - op.created >= self.cfg.prefetch_timeout_steps
-        now = time.monotonic()
-        if op.waiting_since is None:
-            op.waiting_since = now
-        limit = self.cfg.prefetch_timeout_base_s + self.cfg.prefetch_timeout_per_ki_token_s * len(op.tokens) / 1024
-        return now - op.waiting_since > limit
-
-    def prefetch_ready(self, rid: int) -> bool:
-        """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: PP rank 0 and its
-        attention peers decide (MAX of "not ready": no rank stops while another still waits), later stages
-        take their verdict; their own clocks and polls never decide. With `prefetch_vote` a rank without this
-        prefetch votes too (ready, and 0 pages in `take_prefetch`): where ranks' prefetches differ, every rank
-        still enters the collective, and the pages agreed are none."""
-        self._check_worker()
-        op = self.prefetches.get(rid)
-        if op is None and "prefetch_vote" not in self.sync.fixes:
-            return True  # before the collective: a peer that has this prefetch waits in it alone (#38273)
-        complete = op is None or self._agreed(op)[1]
-        if op is None or self.cfg.prefetch_policy == "best_effort":
-            ready = True
-        elif self.cfg.prefetch_policy == "wait_complete":
-            ready = complete
-        else:
-            ready = complete or self._timed_out(op)
-        (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
-        return not not_ready
-
-    def take_prefetch(self, rid: int) -> tuple[PrefetchOp, int] | None:
-        """End request `rid`'s prefetch (after `prefetch_ready`): the op and the pages every rank holds, which the
-        worker no longer touches; None without a prefetch."""
-        op = self.prefetches.pop(rid, None)
-        if op is None and "prefetch_vote" not in self.sync.fixes:
-            return None
-        (pages,) = self.sync.agree_prefetch_progress([self._agreed(op)[0] if op is not None else 0])
-        if op is None:
-            return None
-        self._wait_for_pages(op, pages)
-        self.stats.pages_prefetched += pages
-        self.stats.cut_short += op.hits is None or (pages < op.hits and not op.failed)
-        return op, pages
-
-    def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
-        """Wait until this rank's read thread has agreed `pages` (a later stage runs behind stage 0), then end the
-        prefetch. With `prefetch_completion` every rank reaches every agreed count; without it a rank agrees with
-        its own attention peers only, and a page damaged on a later stage alone leaves that stage short."""
-        with op.progress:
-            while (op.agreed[-1] if op.agreed else 0) < pages:
-                if op.hits is None or len(op.agreed) == len(op.batches()):
-                    raise RuntimeError(f"{pages} prefetched pages were agreed, but only {op.arrived} can arrive here")
-                self._check_worker()
-                op.progress.wait(0.05)
-            op.terminated = True
 
     def summary(self) -> dict:
         s = self.stats

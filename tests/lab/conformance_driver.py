@@ -13,17 +13,16 @@ from pathlib import Path
 
 import torch
 
-from hicache_lab.config import CacheConfig, ParallelConfig
-from hicache_lab.distributed.cache_sync import CacheSync
+from hicache_lab.config import CacheConfig
 from hicache_lab.lab.sglang.recording import RecordingCache
-from hicache_lab.mem_cache.build import KVShape, build_cache
+from hicache_lab.mem_cache.build import one_rank_cache
 
 DEVICE_TOKENS = 128
 NEW_TOKENS = 5  # a request's new tokens per `pages`, rounded up to whole pages (so host hits of 10 tokens occur)
 
 
 def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: float, seed: int = 0, **overrides):
-    """One rank's cache as `build_cache` makes it for a run; CacheConfig fields by name on top."""
+    """One rank's cache as `build_cache` makes it for a run (`one_rank_cache`); CacheConfig fields by name on top."""
     cfg = CacheConfig(
         **overrides,
         max_total_tokens=DEVICE_TOKENS,
@@ -33,8 +32,7 @@ def lab_cache(groups, page_size: int, policy: str, max_delay: int, host_ratio: f
         write_policy=policy,
         max_copy_delay_steps=max_delay,
     )
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes)
-    return build_cache(cfg, KVShape(num_layers=2, num_heads=1, head_dim=2), sync, seed=seed)[1]
+    return one_rank_cache(cfg, groups, seed=seed)[1]
 
 
 def random_ops(rng, count: int) -> list[tuple]:

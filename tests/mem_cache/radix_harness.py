@@ -1,5 +1,6 @@
-"""A `Harness` builds one rank's cache with `mem_cache.build.build_cache`, as every run does, and plays request-like
-operations on it the way the scheduler does, checking after each what `test_radix_properties.py` says."""
+"""A `Harness` builds one rank's cache with `mem_cache.build.one_rank_cache` (`build_cache`, as every run does),
+and plays request-like operations on it the way the scheduler does, checking after each what
+`test_radix_properties.py` says."""
 
 from __future__ import annotations
 
@@ -24,10 +25,9 @@ from radix_oracle import (
     write_kv,
 )
 
-from hicache_lab.config import CacheConfig, ParallelConfig
-from hicache_lab.distributed.cache_sync import CacheSync
-from hicache_lab.mem_cache.build import KVShape, build_cache
-from hicache_lab.mem_cache.radix_tree import TreeNode
+from hicache_lab.config import CacheConfig
+from hicache_lab.mem_cache.build import one_rank_cache
+from hicache_lab.mem_cache.tree_node import TreeNode
 
 # -- the harness ----------------------------------------------------------------------------------
 
@@ -65,9 +65,7 @@ class Harness(Checks):
             load_back_threshold=load_back_threshold,
             max_copy_delay_steps=max_delay,
         )
-        sync = CacheSync("fixed", groups, ParallelConfig().fixes)
-        kv = KVShape(NUM_LAYERS, num_heads=1, head_dim=2)
-        self.pool, self.cache = build_cache(self.cfg, kv, sync, check_copies=True, seed=seed)
+        self.pool, self.cache = one_rank_cache(self.cfg, groups, num_layers=NUM_LAYERS, check_copies=True, seed=seed)
         self.controller, self.device_alloc, self.host_alloc = (
             self.cache.controller,
             self.cache.device_alloc,

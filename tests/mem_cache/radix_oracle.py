@@ -10,7 +10,8 @@ import hashlib
 import torch
 
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool
-from hicache_lab.mem_cache.radix_tree import RadixTree, TreeNode
+from hicache_lab.mem_cache.radix_tree import RadixTree
+from hicache_lab.mem_cache.tree_node import TreeNode
 
 DEVICE_TOKENS = 64  # host pool: 2x
 NUM_LAYERS = 2

@@ -12,7 +12,7 @@ from hicache_lab.config import ModelConfig
 from hicache_lab.mem_cache.hicache_storage import FileStorage, model_fingerprint, storage_suffix
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool
 from hicache_lab.mem_cache.memory_pool_host import HostKVPool
-from hicache_lab.mem_cache.radix_tree import page_hashes
+from hicache_lab.mem_cache.utils import page_hashes
 
 
 def host_pool(layout="layer_first", dtype=torch.float32):

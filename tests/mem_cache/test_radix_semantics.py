@@ -13,7 +13,9 @@ from radix_oracle import DEVICE_TOKENS, NUM_LAYERS, expected_codes, in_tree, kv_
 
 from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.errors import PoolExhaustedError
-from hicache_lab.mem_cache.radix_tree import RadixTree, node_hashes, page_hashes
+from hicache_lab.mem_cache.radix_tree import RadixTree
+from hicache_lab.mem_cache.tree_node import node_hashes
+from hicache_lab.mem_cache.utils import page_hashes
 
 # -- pinned semantics -------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
-from hicache_lab.mem_cache.radix_tree import node_hashes
+from hicache_lab.mem_cache.tree_node import node_hashes
 
 
 def storage_world(world_config, **parallel):

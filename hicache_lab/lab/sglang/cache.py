@@ -30,6 +30,7 @@ import torch
 from ...config import CacheConfig
 from ...errors import PoolExhaustedError
 from ...mem_cache.copy_engine import STREAMS, CopyJob
+from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
 
 _NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
@@ -283,7 +284,7 @@ class SGLangCache:
         the row's unaligned tail freed and the lock released."""
         aligned = len(tokens)
         matched = self.insert(tokens, slots[:aligned], prefix_len, inserted_len).prefix_len
-        prompt = prompt_len // self.cfg.page_size * self.cfg.page_size
+        prompt = page_floor(prompt_len, self.cfg.page_size)
         if 0 < prompt < aligned:
             self.insert(tokens[:prompt], slots[:prompt], prompt, prompt)
         if len(slots) > aligned:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ...config import CacheConfig, ParallelConfig
-from ...distributed.cache_sync import CacheSync
-from ...distributed.parallel_state import RankLayout, build_groups
-from ...mem_cache.build import KVShape, build_cache
+from ...config import CacheConfig
+from ...mem_cache.build import one_rank_cache
+from ...mem_cache.utils import page_floor
 
 
 class OneRank:
@@ -31,10 +30,7 @@ class OneRank:
             load_back_threshold=page_size,
             max_copy_delay_steps=max_delay,
         )
-        sync = CacheSync("fixed", build_groups(RankLayout(1, 1, 1, 0), ParallelConfig()), ParallelConfig().fixes)
-        self.pool, self.cache = build_cache(
-            self.cfg, KVShape(num_layers=2, num_heads=1, head_dim=2), sync, check_copies=True
-        )
+        self.pool, self.cache = one_rank_cache(self.cfg, check_copies=True)
         self.tree = self.cache.tree
         self.steps = 0
 
@@ -46,7 +42,7 @@ class OneRank:
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
         """Serve one request whose whole sequence is `tokens` (page-aligned); how its tokens were found."""
-        key = tuple(tokens[: len(tokens) // self.cfg.page_size * self.cfg.page_size])
+        key = tuple(tokens[: page_floor(len(tokens), self.cfg.page_size)])
         match = self.cache.match_prefix(key)
         self.cache.inc_lock_ref(match.last_device_node)
         prefix, last = self.cache.lock_match(match)  # loads back what only the host holds
