@@ -1,9 +1,9 @@
 """How a run's processes end: none outlives its launcher, and a signal ends the run with its files written.
 
 * `die_with_parent`: a rank (or the `mooncake_master` the launcher starts) gets SIGKILL when its parent dies
-  (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the launcher did not die first; where
+  (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the parent did not die first; where
   prctl is unavailable, a thread polls the parent's pid). A rank's parent is the launcher's fork server
-  (launch.py), which ends as soon as the launcher does. So SIGKILL of the launcher leaves nothing behind.
+  (launch.py): a thread polls the launcher's pid as well. So SIGKILL of the launcher leaves nothing behind.
 * `SignalGuard`: SIGINT and SIGTERM raise `Interrupted` in the main thread, which ends the run through its usual
   path (partial results, a summary that says what interrupted it). A Python handler runs only between bytecodes,
   never while the main thread is blocked in C++ (a gloo collective waiting for a stuck peer): a watcher thread,
@@ -44,18 +44,19 @@ def _pdeathsig() -> bool:
         return False
 
 
-def _watch_parent(parent: int) -> None:
-    while os.getppid() == parent:
+def _watch(parent: int, launcher: int) -> None:
+    while os.getppid() == parent and not _exited(launcher):
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_with_parent(launcher: int) -> None:
-    """This process ends when its parent does, even by SIGKILL. Its parent is `launcher`, or a fork server of
-    `launcher`'s that ends with it (launch.rank_processes); if `launcher` is gone already, it exits at once."""
+    """This process ends when its parent or `launcher` does, even by SIGKILL; if either is gone already, at once.
+    Its parent is `launcher`, or the launcher's fork server (launch.rank_processes), which outlives the launcher
+    while ranks it forked hold its pipe: a thread then watches the launcher itself."""
     parent = os.getppid()
-    if not _pdeathsig():
-        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if not _pdeathsig() or parent != launcher:
+        threading.Thread(target=_watch, args=(parent, launcher), daemon=True).start()
     if os.getppid() != parent or _exited(launcher):  # it died before prctl took effect
         os._exit(1)
 

@@ -85,7 +85,7 @@ def rank_processes() -> multiprocessing.context.BaseContext:
     process's working directory and `sys.path` as it starts (multiprocessing passes them) and its environment
     (`_as_launched`)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["hicache_lab.entrypoints.rank"])
+    ctx.set_forkserver_preload(["hicache_lab.entrypoints.fork_server"])
     return ctx
 
 

@@ -1,0 +1,11 @@
+"""What the launcher's fork server imports before it forks any rank (launch.rank_processes): the rank's code,
+and torch with it, once for every rank it forks; and the parent-death signal, so that the server dies with the
+launcher even by SIGKILL, and every rank it forked with the server (ending.die_with_parent), a stopped one too.
+Imported only by the fork server: importing it anywhere else would tie that process to its parent."""
+
+import os
+
+from . import rank  # noqa: F401 - imported for the ranks this server forks
+from .ending import die_with_parent
+
+die_with_parent(os.getppid())
