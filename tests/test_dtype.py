@@ -10,7 +10,7 @@ import torch.distributed as dist
 from hicache_lab.config import ModelConfig, ParallelConfig
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.entrypoints.launch import run
-from hicache_lab.entrypoints.rank import build_stage
+from hicache_lab.entrypoints.rank import build_rank
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
 from hicache_lab.model import TinyModel
@@ -46,10 +46,10 @@ def world_of_one():
 def test_a_bf16_run_holds_bf16_kv_at_half_the_bytes_per_token(world_of_one, tmp_path):
     groups, pools = world_of_one, {}
     for dtype in ("float32", "bfloat16"):
-        stage = build_stage(with_dtype(dtype, "--enable-hierarchical-cache"), groups, tmp_path / dtype)
-        host = stage.cache.controller.host_pool
-        pools[dtype] = stage.loop.pool, host
-        assert stage.loop.model.weights[0]["wq"].dtype == stage.loop.pool.kv.dtype == host.kv.dtype
+        built = build_rank(with_dtype(dtype, "--enable-hierarchical-cache"), groups, tmp_path / dtype)
+        host = built.cache.controller.host_pool
+        pools[dtype] = built.loop.pool, host
+        assert built.loop.model.weights[0]["wq"].dtype == built.loop.pool.kv.dtype == host.kv.dtype
     (device32, host32), (device16, host16) = pools["float32"], pools["bfloat16"]
     assert device16.kv.dtype == host16.kv.dtype == torch.bfloat16
     assert device16.bytes_per_token * 2 == device32.bytes_per_token == host32.bytes_per_token
