@@ -1,7 +1,10 @@
 """The package's layers (docs/architecture.md): each part imports only from the parts below it, the core never
-imports `entrypoints/` or `lab/`, only `__main__` imports `lab/`, there is no import cycle, and no import of the
-package's own modules hides inside a function (where it would dodge a cycle). Checked on the source's syntax
-trees; the same check is shown to catch each kind of violation in a small package written for the purpose."""
+imports `entrypoints/` or `lab/`, only `__main__` imports `lab/`, the lab's rooms import only from the rooms
+below them (`WING`), there is no import cycle, and no import of the package's own modules hides inside a
+function (where it would dodge a cycle). The core reads none of the fields only lab tooling serves
+(`LAB_ONLY`), and no file of code is over `MAX_LINES` lines (a file of pure data may be). Checked on the
+source's syntax trees; the same check is shown to catch each kind of violation in a small package written for
+the purpose."""
 
 from __future__ import annotations
 
@@ -23,6 +26,13 @@ LAYERS = (  # bottom up
     "lab",
     "__main__",
 )
+
+
+WING = ("__init__", "presets", "sglang", "check", "teach", "figures", "binders")  # lab/'s rooms, bottom up
+CORE = ("distributed", "mem_cache", "model", "managers")
+LAB_ONLY = ("fault", "fault_spec", "sync_impls", "skip_load_wait", "record_cache_ops")  # entrypoints/binders.py
+MAX_LINES = 300
+CHECKED = ("hicache_lab", "bench", "tests")  # the file budget's folders, from the repository's root
 
 
 def _module_name(root: Path, path: Path) -> str:
@@ -63,6 +73,12 @@ def _imports(root: Path, path: Path) -> list[tuple[str, bool, int]]:
     return found
 
 
+def _room(module: str) -> str | None:
+    """The lab room a module belongs to (None outside lab/)."""
+    parts = module.split(".")[1:]
+    return (parts[1] if len(parts) > 1 else "__init__") if parts[:1] == ["lab"] else None
+
+
 def violations(root: Path) -> list[str]:
     """Every breach of the layering rules in the package at `root`."""
     found, graph = [], {}
@@ -70,6 +86,8 @@ def violations(root: Path) -> list[str]:
     for module, path in modules.items():
         mine = _part(root, module)
         graph[module] = set()
+        if mine in CORE:
+            found += [f"{path.relative_to(root.parent)}:{n}: the core reads .{name}" for n, name in _lab_reads(path)]
         for target, at_top, line in _imports(root, path):
             if target not in modules:  # `from .module import name`: the module is one up
                 target = target.rpartition(".")[0]
@@ -81,9 +99,35 @@ def violations(root: Path) -> list[str]:
                 found.append(f"{where}: {mine} imports {target}, a layer above it")
             if theirs == "lab" and mine not in ("lab", "__main__"):
                 found.append(f"{where}: {mine} imports lab tooling ({target})")
+            if mine == theirs == "lab" and WING.index(_room(target)) > WING.index(_room(module)):
+                found.append(f"{where}: lab room {_room(module)} imports {target}, a room above it")
             if target in modules and target != module and at_top:
                 graph[module].add(target)
     found += [f"import cycle: {' -> '.join(cycle)}" for cycle in _cycles(graph)]
+    return found
+
+
+def _lab_reads(path: Path) -> list[tuple[int, str]]:
+    """(line, name) of every attribute of LAB_ONLY read in `path`."""
+    tree = ast.parse(path.read_text())
+    return [(n.lineno, n.attr) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr in LAB_ONLY]
+
+
+def is_data(tree: ast.Module) -> bool:
+    """A module of pure data: a docstring, imports and assignments of values, no function or class."""
+    kinds = (ast.Import, ast.ImportFrom, ast.Assign, ast.AnnAssign, ast.Expr)
+    return all(isinstance(node, kinds) for node in tree.body) and not any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)) for node in ast.walk(tree)
+    )
+
+
+def too_long(root: Path, folders: tuple[str, ...] = CHECKED) -> list[str]:
+    """Every file of code under `root`'s `folders` over MAX_LINES lines."""
+    found = []
+    for path in sorted(p for folder in folders for p in (root / folder).rglob("*.py")):
+        text = path.read_text()
+        if (lines := len(text.splitlines())) > MAX_LINES and not is_data(ast.parse(text)):
+            found.append(f"{path.relative_to(root)}: {lines} lines of code (at most {MAX_LINES}; split it by idea)")
     return found
 
 
@@ -108,7 +152,13 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_every_part_imports_only_from_below():
     root = Path(hicache_lab.__file__).parent
     assert violations(root) == []
-    assert {_part(root, _module_name(root, p)) for p in root.rglob("*.py")} <= set(LAYERS)
+    modules = [_module_name(root, p) for p in root.rglob("*.py")]
+    assert {_part(root, m) for m in modules} <= set(LAYERS)
+    assert {_room(m) for m in modules} - {None} <= set(WING)
+
+
+def test_no_file_of_code_is_over_the_budget():
+    assert too_long(Path(hicache_lab.__file__).parents[1]) == []
 
 
 def test_the_check_catches_an_upward_import_a_cycle_and_a_hidden_import(tmp_path):
@@ -123,6 +173,14 @@ def test_the_check_catches_an_upward_import_a_cycle_and_a_hidden_import(tmp_path
         "entrypoints/b.py": "from ..mem_cache import a\nfrom ..lab import tour\n",
         "lab/__init__.py": "",
         "lab/tour.py": "",
+        "lab/check/__init__.py": "",
+        "lab/check/zoo.py": "from ..figures import draw\n",
+        "lab/figures/__init__.py": "",
+        "lab/figures/draw.py": "",
+        "managers/__init__.py": "",
+        "managers/loop.py": "def f(cfg):\n    return cfg.parallel.fault\n",
+        "managers/long.py": "def f():\n    pass\n" + "x = 1\n" * MAX_LINES,
+        "managers/table.py": "ROWS = [\n" + "    (1, 'a'),\n" * MAX_LINES + "]\n",
     }
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
@@ -132,3 +190,8 @@ def test_the_check_catches_an_upward_import_a_cycle_and_a_hidden_import(tmp_path
     assert any("mem_cache imports hicache_lab.entrypoints.b, a layer above it" in v for v in found), found
     assert any("entrypoints imports lab tooling" in v for v in found), found
     assert any(v.startswith("import cycle:") and "hicache_lab.mem_cache.a" in v for v in found), found
+    assert any("lab room check imports hicache_lab.lab.figures.draw, a room above it" in v for v in found), found
+    assert any("hicache_lab/managers/loop.py:2: the core reads .fault" in v for v in found), found
+    assert too_long(tmp_path, ("hicache_lab",)) == [
+        f"hicache_lab/managers/long.py: {MAX_LINES + 2} lines of code (at most {MAX_LINES}; split it by idea)"
+    ]  # the table is data: it may be longer

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 
 from ..config import (
     DTYPES,
@@ -36,6 +37,18 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number: give one, e.g. 2.5") from None
     return value
+
+
+def layer_counts(text: str) -> tuple[int, ...]:
+    """`--pp-layer-partition 1,2` -> (1, 2)."""
+    try:
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts, e.g. 1,2") from None
+
+
+def _switch(help_text: str) -> dict:
+    return {"action": "store_true", "help": help_text}
 
 
 # (flag, config section, field, type, help); defaults come from the dataclasses.
@@ -170,6 +183,80 @@ SECTIONS = {
     "workload": WorkloadConfig,
     "parallel": ParallelConfig,
 }
+FAULT_HELP = (
+    "inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's Nth host "
+    "write, from 0, is torn or lands in the wrong slots), alloc-fail:R@N (rank R's Nth slot allocation for a copy "
+    "fails, as a full pool would: a write to the host, a load back, a prefetch's host slots), damage-page:R@N (the "
+    "Nth page rank R reads from the file store is damaged on disk first: a miss)"
+)
+# The other flags: (flag, RunConfig field, parsed value -> field value, argparse options).
+SWITCHES = [
+    ("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", bool, _switch("add the host tier (L2)")),
+    ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
+    ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
+    (
+        "--record-cache-ops",
+        "record_cache_ops",
+        bool,
+        _switch("write every cache operation and its answer to DIR/rank{R}.cache_ops.jsonl, for `conform DIR`"),
+    ),
+    ("--skip-load-wait", "cache.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),
+    ("--fault", "parallel.fault", str, {"default": "", "metavar": "KIND:RANK@N", "help": FAULT_HELP}),
+    (
+        "--copy-checksum",
+        "cache.copy_checksum",
+        bool,
+        _switch("check every host copy against its source's sha256 (fails at once)"),
+    ),
+    (
+        "--pp-layer-partition",
+        "parallel.pp_layer_partition",
+        tuple,
+        {
+            "type": layer_counts,
+            "default": (),
+            "metavar": "N,N,...",
+            "help": "layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; default: even, earlier stages take the "
+            "rest)",
+        },
+    ),
+    (
+        "--flush-cache-between-rounds",
+        "cache.flush_between_rounds",
+        bool,
+        _switch("drop device and host caches between rounds"),
+    ),
+    *(
+        (
+            f"--{verb}-fix",
+            f"parallel.{verb}_fixes",
+            tuple,
+            {
+                "action": "append",
+                "default": [],
+                "choices": SYNC_FIXES,
+                "help": f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md",
+            },
+        )
+        for verb in ("enable", "disable")
+    ),
+    (
+        "--sync-impl",
+        "parallel.sync_impls",
+        tuple,
+        {
+            "action": "append",
+            "default": [],
+            "metavar": "SLOT=MODULE:FUNCTION",
+            "help": f"use your own function in every rank (repeatable); SLOT: {', '.join(SYNC_IMPL_SLOTS)}; "
+            "e.g. pp_sync=my_sync:pp_sync (see hicache_lab/lab/teach/sync_impl.py)",
+        },
+    ),
+]
+# Every RunConfig field a flag sets -> that flag (the messages that name a field name its flag).
+FIELD_FLAGS = {f"{section}.{name}": flag for flag, section, name, _, _ in FLAGS} | {
+    field: flag for flag, field, _, _ in SWITCHES
+}
 
 
 def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
@@ -178,76 +265,21 @@ def add_run_flags(parser: argparse.ArgumentParser, **overrides) -> None:
     for flag, section, name, kind, help_text in FLAGS:
         default = overrides.get(name, getattr(defaults[section], name))
         parser.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
-    parser.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host tier (L2)")
-    parser.add_argument("--no-round-barrier", action="store_true", help="let each client run ahead of others")
-    parser.add_argument("--check-outputs", action="store_true", help="compare every output with a from-scratch run")
-    parser.add_argument(
-        "--record-cache-ops",
-        action="store_true",
-        help="write every cache operation and its answer to DIR/rank{R}.cache_ops.jsonl, for `conform DIR`",
-    )
-    parser.add_argument("--skip-load-wait", action="store_true", help="fault: read loaded KV without waiting")
-    parser.add_argument(
-        "--fault",
-        default="",
-        metavar="KIND:RANK@N",
-        help="inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's "
-        "Nth host write, from 0, is torn or lands in the wrong slots), alloc-fail:R@N (rank R's Nth slot allocation "
-        "for a copy fails, as a full pool would: a write to the host, a load back, a prefetch's host slots), "
-        "damage-page:R@N (the Nth page rank R reads from the file store is damaged on disk first: a miss)",
-    )
-    parser.add_argument(
-        "--copy-checksum", action="store_true", help="check every host copy against its source's sha256 (fails at once)"
-    )
-    parser.add_argument(
-        "--pp-layer-partition",
-        type=layer_counts,
-        default=(),
-        metavar="N,N,...",
-        help="layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; default: even, earlier stages take the rest)",
-    )
-    parser.add_argument(
-        "--flush-cache-between-rounds", action="store_true", help="drop device and host caches between rounds"
-    )
-    for verb in ("enable", "disable"):
-        parser.add_argument(
-            f"--{verb}-fix",
-            action="append",
-            default=[],
-            choices=SYNC_FIXES,
-            help=f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md",
-        )
-    parser.add_argument(
-        "--sync-impl",
-        action="append",
-        default=[],
-        metavar="SLOT=MODULE:FUNCTION",
-        help=f"use your own function in every rank (repeatable); SLOT: {', '.join(SYNC_IMPL_SLOTS)}; "
-        "e.g. pp_sync=my_sync:pp_sync (see hicache_lab/entrypoints/hooks.py)",
-    )
-
-
-def layer_counts(text: str) -> tuple[int, ...]:
-    """`--pp-layer-partition 1,2` -> (1, 2)."""
-    try:
-        return tuple(int(n) for n in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer counts, e.g. 1,2") from None
+    for flag, _, _, options in SWITCHES:
+        parser.add_argument(flag, **options)
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    values = {section: {} for section in SECTIONS}
+    """The validated RunConfig the parsed flags ask for (a ConfigError names the flag of a bad value)."""
+    values = {section: {} for section in SECTIONS} | {"run": {}}
     for flag, section, name, _, _ in FLAGS:
-        values[section][name] = getattr(args, flag.lstrip("-").replace("-", "_"))
-    values["cache"]["enable_hierarchical_cache"] = args.enable_hierarchical_cache
-    values["cache"]["skip_load_wait"] = args.skip_load_wait
-    values["cache"]["copy_checksum"] = args.copy_checksum
-    values["parallel"]["fault"] = args.fault
-    values["parallel"]["pp_layer_partition"] = args.pp_layer_partition
-    values["cache"]["flush_between_rounds"] = args.flush_cache_between_rounds
-    values["workload"]["round_barrier"] = not args.no_round_barrier
-    values["parallel"]["enable_fixes"] = tuple(args.enable_fix)
-    values["parallel"]["disable_fixes"] = tuple(args.disable_fix)
-    values["parallel"]["sync_impls"] = tuple(args.sync_impl)
-    sections = {name: SECTIONS[name](**v) for name, v in values.items()}
-    return RunConfig(**sections, check_outputs=args.check_outputs, record_cache_ops=args.record_cache_ops)
+        values[section][name] = getattr(args, _dest(flag))
+    for flag, field, to_field, _ in SWITCHES:
+        section, _, name = field.rpartition(".")
+        values[section or "run"][name] = to_field(getattr(args, _dest(flag)))
+    run = values.pop("run")
+    return RunConfig(**{name: SECTIONS[name](**v) for name, v in values.items()}, **run)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")

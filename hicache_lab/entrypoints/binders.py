@@ -30,13 +30,9 @@ from ..distributed.cache_sync import CacheSync
 from ..errors import ConfigError
 from ..managers.scheduler_pp import StageLoop
 from ..mem_cache.base import BasePrefixCache
+from .args import FIELD_FLAGS
 
-LAB_FIELDS = {  # the RunConfig fields only lab tooling serves -> their flag
-    "parallel.fault": "--fault",
-    "cache.skip_load_wait": "--skip-load-wait",
-    "parallel.sync_impls": "--sync-impl",
-    "record_cache_ops": "--record-cache-ops",
-}
+LAB_FIELDS = ("parallel.fault", "cache.skip_load_wait", "parallel.sync_impls", "record_cache_ops")  # lab only
 
 
 @dataclass
@@ -76,12 +72,19 @@ def _default(cfg: RunConfig, dotted: str):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
+def _as_flags(flag: str, value) -> str:
+    """How `value` of `flag`'s field is written on a command line."""
+    if isinstance(value, bool):
+        return flag
+    return " ".join(f"{flag} {v}" for v in value) if isinstance(value, tuple) else f"{flag} {value}"
+
+
 def refuse_unserved(cfg: RunConfig, binders: tuple[Binder, ...]) -> None:
     """ConfigError for each lab field `cfg` sets that none of `binders` serves."""
     served = {f for b in binders for f in b.fields}
     unserved = [
-        f"{flag} ({_value(cfg, field)!r})"
-        for field, flag in LAB_FIELDS.items()
+        _as_flags(FIELD_FLAGS[field], _value(cfg, field))
+        for field in LAB_FIELDS
         if field not in served and _value(cfg, field) != _default(cfg, field)
     ]
     if unserved:

@@ -28,7 +28,7 @@ from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, is_storage_writer, storage_suffix
 from ..model import TinyModel
-from .args import FLAGS
+from .args import FIELD_FLAGS
 from .binders import Binder, RankParts
 from .ending import Interrupted, SignalGuard
 from .oracle import check_outputs
@@ -116,21 +116,7 @@ def agree_on_config(every: list[dict]) -> None:
     any difference in what the ranks gathered (`meet`) is a ConfigError on every rank that names each flag that
     differs and each rank's value. No field may differ per rank: a rank's place in the world comes from its rank,
     never from a flag."""
-    flags = {f"{section}.{name}": flag for flag, section, name, _, _ in FLAGS} | {
-        "cache.enable_hierarchical_cache": "--enable-hierarchical-cache",  # the flags config_from_args maps itself
-        "cache.skip_load_wait": "--skip-load-wait",
-        "cache.copy_checksum": "--copy-checksum",
-        "cache.flush_between_rounds": "--flush-cache-between-rounds",
-        "workload.round_barrier": "--no-round-barrier",
-        "parallel.fault": "--fault",
-        "parallel.pp_layer_partition": "--pp-layer-partition",
-        "parallel.enable_fixes": "--enable-fix",
-        "parallel.disable_fixes": "--disable-fix",
-        "parallel.sync_impls": "--sync-impl",
-        "check_outputs": "--check-outputs",
-        "record_cache_ops": "--record-cache-ops",
-        "out": "--out",
-    }
+    flags = FIELD_FLAGS | {"out": "--out"}
     differ = []
     for key in dict.fromkeys(k for rank in every for k in rank["config"]):
         ranks = {}  # value -> the ranks that have it
