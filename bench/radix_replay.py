@@ -14,7 +14,7 @@ import torch
 
 from bench.common import check
 from bench.radix_impls import LabTree, NaivePrefixDict
-from bench.radix_sglang import SGLangApi, SGLangCache
+from bench.radix_sglang import SGLangApi, SGLangTreeProbe
 from hicache_lab.mem_cache.radix_tree import Key
 
 OPERATIONS = ("match", "insert", "evict")
@@ -34,7 +34,10 @@ class KeyStream:
 
 
 @dataclasses.dataclass
-class Replay:
+class TreeReplay:
+    """One replay of a key stream through one tree: the time and count of each operation, and what the tree
+    answered until its first eviction (match lengths and slots, sizes)."""
+
     seconds: dict[str, float] = dataclasses.field(default_factory=lambda: dict.fromkeys(OPERATIONS, 0.0))
     counts: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(OPERATIONS, 0))
     match_lens: list[int] = dataclasses.field(default_factory=list)
@@ -48,11 +51,11 @@ class Replay:
         return sum(self.match_lens)
 
 
-def replay(impl, stream: KeyStream, capacity: int) -> Replay:
+def replay(impl, stream: KeyStream, capacity: int) -> TreeReplay:
     """One pass over `stream` (keys prepared first, untimed) with garbage collection off."""
     match_keys = [impl.prepare_key(k) for k in stream.match_keys]
     insert_keys = [impl.prepare_key(k) for k in stream.insert_keys]
-    result = Replay()
+    result = TreeReplay()
     gc.collect()
     gc.disable()
     try:
@@ -65,7 +68,7 @@ def replay(impl, stream: KeyStream, capacity: int) -> Replay:
     return result
 
 
-def _match_then_insert(impl, result: Replay, match_key, insert_key, value: torch.Tensor) -> None:
+def _match_then_insert(impl, result: TreeReplay, match_key, insert_key, value: torch.Tensor) -> None:
     clock = time.perf_counter
     t0 = clock()
     got = impl.match(match_key)
@@ -80,7 +83,7 @@ def _match_then_insert(impl, result: Replay, match_key, insert_key, value: torch
     result.sizes.append(impl.size)
 
 
-def _evict_down_to(impl, result: Replay, capacity: int, request: int) -> None:
+def _evict_down_to(impl, result: TreeReplay, capacity: int, request: int) -> None:
     """Evict what `impl` holds beyond `capacity`; a call with nothing to free is neither made nor counted."""
     excess = impl.size - capacity
     if excess <= 0:
@@ -96,7 +99,7 @@ def _evict_down_to(impl, result: Replay, capacity: int, request: int) -> None:
         result.first_evict = request
 
 
-def compare(reference: Replay, other: Replay, names: str) -> int:
+def compare(reference: TreeReplay, other: TreeReplay, names: str) -> int:
     """Assert `other` matched what `reference` did until the first eviction; returns the matches compared."""
     check(
         reference.first_evict == other.first_evict,
@@ -120,7 +123,7 @@ class Contenders:
 
     factories: dict[str, Callable[[], object]]
     status: str
-    checked: dict[str, Replay] = dataclasses.field(default_factory=dict)  # the untimed replay of each
+    checked: dict[str, TreeReplay] = dataclasses.field(default_factory=dict)  # the untimed replay of each
 
     def drop_sglang(self, status: str) -> None:
         self.status = status
@@ -134,7 +137,7 @@ def contenders(page_size: int, sglang: SGLangApi | None, status: str) -> Contend
         "naive": lambda: NaivePrefixDict(page_size),
     }
     if sglang is not None:
-        factories["sglang"] = lambda: SGLangCache(sglang, page_size)
+        factories["sglang"] = lambda: SGLangTreeProbe(sglang, page_size)
     return Contenders(factories, status)
 
 

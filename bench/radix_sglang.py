@@ -2,11 +2,11 @@
 installed.
 
 Its API differs between versions, so `probe_sglang` tries every known way of building and calling it on a tiny
-example and keeps the first that behaves as a radix tree. `SGLangCache` then offers what the other
+example and keeps the first that behaves as a radix tree. `SGLangTreeProbe` then offers what the other
 implementations (radix_impls.py) offer: `name`, `size`, prepare_key, match, insert and evict.
 
 Beside a CPU torch, sglang 0.5.23 (the `sglang` extra) imports only with the lab's torchvision placeholders
-(`hicache_lab.lab.sglang_cpu.prepare_imports`); another version is imported without them, which works where a
+(`hicache_lab.lab.sglang.cpu.prepare_imports`); another version is imported without them, which works where a
 torchvision that loads is installed.
 """
 
@@ -56,7 +56,10 @@ class SGLangApi:
     evict: Callable[[object, SlotSink, int], None]
 
 
-class SGLangCache:
+class SGLangTreeProbe:
+    """SGLang's RadixCache alone, called through the API `probe_sglang` found, behind the interface of the trees
+    in radix_impls.py (it counts the tokens it holds; freed slots go to a `SlotSink`)."""
+
     name = "sglang"
 
     def __init__(self, api: SGLangApi, page_size: int):
@@ -181,7 +184,7 @@ def _smoke_test(api: SGLangApi, page_size: int) -> None:
     ps = page_size
     a = tuple(range(1, 1 + 2 * ps))
     b = a[:ps] + tuple(range(1000, 1000 + ps))
-    cache = SGLangCache(api, ps)
+    cache = SGLangTreeProbe(api, ps)
     got = getattr(cache.cache, "page_size", 1)
     check(got == ps, f"page_size {got}, not {ps}")
     cache.insert(cache.prepare_key(a), torch.arange(0, 2 * ps))

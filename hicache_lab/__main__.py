@@ -27,7 +27,7 @@ from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
 from .lab.sglang.source import read_bench_multiturn
-from .lab.teach.exercise import add_exercise_flags, cmd_exercise
+from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

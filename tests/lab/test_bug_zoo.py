@@ -1,5 +1,5 @@
 """Every bug-zoo entry, on the same seed: its broken run shows the failure it is named after, its fixed run
-completes with identical decisions on every rank and exact outputs (hicache_lab/lab/zoo.py says what each is)."""
+completes with identical decisions on every rank and exact outputs (hicache_lab/lab/check/zoo.py says what each is)."""
 
 from __future__ import annotations
 

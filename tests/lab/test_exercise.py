@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.lab.teach.exercise import EXAMPLES, WORLDS, check, mistakes_table
-from hicache_lab.lab.teach.sync_audit import MISTAKES
+from hicache_lab.lab.teach.exercise import WORLDS, check
+from hicache_lab.lab.teach.exercise_cli import EXAMPLES, mistakes_table
+from hicache_lab.lab.teach.mistakes import MISTAKES
 
 ROOT = Path(__file__).resolve().parents[2]
 TEACHING = ROOT / "teaching"

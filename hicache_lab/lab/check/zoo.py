@@ -3,8 +3,8 @@
 Each entry is a small world given as `run` flags. Its *broken* run is `--sync fixed` with the entry's fix(es)
 switched off (`--disable-fix NAME`) and its `broken_flags` added, its *fixed* run the same flags with every
 fix: same seed, same workload.
-`symptom` reads a run's summary (and trace) and says what went wrong, or None; the broken run must show it,
-the fixed run must not, must complete with identical decisions on every rank and exact outputs.
+`symptom` (zoo_symptoms.py) reads a run's summary (and trace) and says what went wrong, or None; the broken run
+must show it, the fixed run must not, must complete with identical decisions on every rank and exact outputs.
 
     python -m hicache_lab zoo                 # the table
     python -m hicache_lab zoo host_capacity   # run one pair and say what happened
@@ -13,66 +13,23 @@ the fixed run must not, must complete with identical decisions on every rank and
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import pairwise
 from pathlib import Path
 
 from ...config import RunConfig
 from ...distributed.parallel_state import stage_layers
 from ...entrypoints.launch import run
-from ...entrypoints.report import divergence_words, storage_hit_rate
-from ...managers.step_trace import read_trace
 from ...mem_cache.hicache_storage import storage_suffix
 from ..presets import WORLD, config
 from .faults import FAULTS
+from .zoo_symptoms import diverged, no_storage_hits, prefetches_revoked, relay_sends_only_grow
 
 BASE_FLAGS = f"{WORLD} --collective-timeout 20"  # the small world (presets.py) every entry adds to
 STORAGE_FLAGS = (
     "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
 )
-
-
-def diverged(summary: dict, out: Path) -> str | None:
-    """The first step at which ranks differ, and the crash it led to."""
-    words = []
-    if divergence := divergence_words(summary):
-        words.append(divergence)
-    if summary["crashed"]:
-        words.append(f"rank {summary['failing_rank']} crashed: {summary['error']}")
-    return "; ".join(words) or None
-
-
-def no_storage_hits(summary: dict, out: Path) -> str | None:
-    rate = storage_hit_rate(summary)
-    return f"storage hit rate {rate:.1%}: every prefetch revoked" if summary["completed"] and rate == 0 else None
-
-
-def prefetches_revoked(summary: dict, out: Path) -> str | None:
-    """Storage holds pages, yet most prefetches find too few leading ones and are revoked (rank 0's counters)."""
-    stats = json.loads((out / "rank0.json").read_text()).get("storage", {})
-    revoked, issued, backed_up = stats.get("revoked", 0), stats.get("prefetches", 0), stats.get("pages_backed_up", 0)
-    if not summary["completed"] or backed_up == 0 or 2 * revoked <= issued:
-        return None
-    return (
-        f"{revoked} of {issued} prefetches revoked though {backed_up} pages were backed up: "
-        f"storage hit rate {storage_hit_rate(summary):.1%}"
-    )
-
-
-def relay_sends_only_grow(summary: dict, out: Path) -> str | None:
-    """Relay send handles never freed: on a rank that sends, the count grows and never falls during the run (with
-    the fix it stays at one step's sends)."""
-    by_rank: dict[int, list[int]] = {}
-    for row in read_trace(out):
-        by_rank.setdefault(row["rank"], []).append(row["relay_sends"])
-    growing = {r: c[-1] for r, c in by_rank.items() if c[-1] > c[0] and all(a <= b for a, b in pairwise(c))}
-    if not growing:
-        return None
-    steps = max(len(c) for c in by_rank.values())
-    return f"relay send handles never freed: {growing} still held after {steps} steps (one per relayed agreement)"
 
 
 def evict_half_of_the_last_stage(storage_dir: Path, flags: str) -> None:
@@ -257,13 +214,15 @@ def _config(flags: str, disabled: tuple[str, ...]) -> RunConfig:
 
 
 @dataclass
-class Outcome:
+class EntryRun:
+    """One run of an entry, broken or fixed: its summary, the symptom it showed (None: none) and its directory."""
+
     summary: dict
     symptom: str | None
     out: Path = field(repr=False)
 
 
-def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, Outcome]:
+def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[EntryRun, EntryRun]:
     """The broken and the fixed run of an entry: (broken, fixed)."""
     out = Path(out)
     if out.exists():
@@ -271,20 +230,20 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[Outcome, 
     store = out / "store"
     if entry.prepare is not None:
         entry.prepare(store, entry.flags)
-    outcomes = []
+    runs = []
     for name, disabled in (("broken", entry.fixes), ("fixed", ())):
         flags = entry.run_flags(name == "broken")
         if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
             shutil.copytree(store, out / f"{name}_store")
             flags += f" --hicache-storage-dir {out / f'{name}_store'}"
         summary = run(_config(flags, disabled), out / name, verbose, binders=(FAULTS,))
-        outcomes.append(Outcome(summary, entry.symptom(summary, out / name), out / name))
-    return outcomes[0], outcomes[1]
+        runs.append(EntryRun(summary, entry.symptom(summary, out / name), out / name))
+    return runs[0], runs[1]
 
 
-def consistent(outcome: Outcome) -> bool:
-    s = outcome.summary
-    return s["completed"] and not s["diverged"] and s["outputs_match_reference"] is True and outcome.symptom is None
+def consistent(entry_run: EntryRun) -> bool:
+    s = entry_run.summary
+    return s["completed"] and not s["diverged"] and s["outputs_match_reference"] is True and entry_run.symptom is None
 
 
 def add_zoo_flags(parser: argparse.ArgumentParser) -> None:

@@ -11,8 +11,8 @@ Nothing here decides anything: each method calls SGLang's own entry point, the o
   and with `pp_size = 1`, so the ranks' agreement is what this one rank sees;
 * the copies' completion: on CPU SGLang's copies finish as they are issued, so each copy's finish event is
   replaced by one from `clock`, a `CopyEngine` that says when the copy is done: the lab's own virtual latency
-  model (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (each copy
-  finishes at the step the recorded rank consumed it).
+  model (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (completion.py:
+  each copy finishes at the step the recorded rank consumed it).
 
 `conformance.py` drives this and the lab's cache with the same operations and compares their answers.
 """
@@ -29,7 +29,7 @@ import torch
 
 from ...config import CacheConfig
 from ...errors import PoolExhaustedError
-from ...mem_cache.copy_engine import STREAMS, CopyJob
+from ...mem_cache.copy_engine import CopyJob
 from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
 
@@ -43,53 +43,6 @@ class SGLangMatch(NamedTuple):
     last_device_node: int
     last_host_node: int
     host_hit_length: int
-
-
-class AgreedCompletion:
-    """Copy completion replayed from a recorded run: the `k`-th copy of a stream is done once the recorded rank
-    had consumed more than `k` acks of it (`allow` is called with each recorded `check_hicache_events` answer
-    before SGLang's runs). A wait on a copy not yet allowed completes it and those before it, as a CUDA stream
-    would."""
-
-    class Event:
-        def __init__(self, owner: AgreedCompletion, stream: str, index: int):
-            self.owner, self.stream, self.index = owner, stream, index
-
-        def query(self) -> bool:
-            return self.index < self.owner.allowed[self.stream]
-
-        def synchronize(self) -> None:
-            allowed = self.owner.allowed
-            allowed[self.stream] = max(allowed[self.stream], self.index + 1)
-
-        def wait_layer(self, layer: int) -> None:
-            return None
-
-    def __init__(self):
-        self.submitted = dict.fromkeys(STREAMS, 0)
-        self.allowed = dict.fromkeys(STREAMS, 0)
-        self.consumed = dict.fromkeys(STREAMS, 0)
-
-    def allow(self, write: int, load: int) -> None:
-        """The recorded rank consumes `write` and `load` more acks now."""
-        for stream, count in zip(STREAMS, (write, load), strict=True):
-            self.consumed[stream] += count
-            self.allowed[stream] = max(self.allowed[stream], self.consumed[stream])
-
-    def finish_all(self) -> None:
-        """The recorded rank flushed its cache: every copy issued so far finished and was consumed."""
-        self.consumed = dict(self.submitted)
-        self.allowed = dict(self.submitted)
-
-    def submit(self, stream: str, job) -> Event:
-        self.submitted[stream] += 1
-        return self.Event(self, stream, self.submitted[stream] - 1)
-
-    def advance(self, step: int) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 @functools.cache

@@ -24,7 +24,8 @@ import torch
 from ...config import CacheConfig
 from ...errors import ConfigError
 from ...mooncake_trace import read_jsonl
-from .cache import AgreedCompletion, SGLangCache
+from .cache import SGLangCache
+from .completion import AgreedCompletion
 from .cpu import SGLANG_VERSION
 from .recording import ops_path
 

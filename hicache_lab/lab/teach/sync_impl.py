@@ -39,7 +39,9 @@ import torch
 from ...config import RunConfig
 from ...entrypoints.binders import Binder, RankParts
 from ...errors import ConfigError
-from .sync_audit import Audit, AuditFinding, patch_torch_distributed
+from .audit_call import AuditFinding
+from .audit_patch import patch_torch_distributed
+from .sync_audit import Audit
 
 IMPORT_TIMEOUT_S = 60.0  # importing a --sync-impl module runs its top-level code: it must end within this
 USER_CALL_BOUND = 2  # a --sync-impl call must return within this many --collective-timeouts

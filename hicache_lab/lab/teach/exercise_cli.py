@@ -1,0 +1,72 @@
+"""`python -m hicache_lab exercise`: the check (exercise.py) from the shell, and `--table`, the table of every kind
+of mistake the audit names for docs/notebooks.md, each with a wrong answer of teaching/mistakes/ that shows it
+(`EXAMPLES`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ...config import SYNC_IMPL_SLOTS
+from .exercise import check
+from .mistakes import MISTAKES
+
+EXAMPLES = {  # kind -> a wrong answer in teaching/mistakes/ that shows it (tests/lab/test_exercise.py runs each)
+    "symmetric_across_stages": "pp_sync.py:all_reduce_max",
+    "blocking_send": "pp_sync.py:blocking_send",
+    "send_aliases_data": "pp_sync.py:sends_data_itself",
+    "lost_send_handle": "pp_sync.py:drops_the_handle",
+    "recv_not_waited": "pp_sync.py:irecv_without_wait",
+    "recv_elsewhere": "pp_sync.py:receives_into_a_new_tensor",
+    "no_receive": "pp_sync.py:two_stages_only",
+    "backwards": "pp_sync.py:upstream",
+    "wrong_rank_space": "pp_sync.py:global_ranks",
+    "wrong_ack_count": "writing_check.py:only_finished_here",
+    "acks_out_of_order": "writing_check.py:newest_first",
+    "copy_not_waited": "writing_check.py:no_wait",
+    "lock_leaked": "writing_check.py:keeps_the_lock",
+    "lock_released_twice": "writing_check.py:releases_twice",
+    "node_left_in_flight": "writing_check.py:leaves_them_in_flight",
+    "node_not_published": "writing_check.py:forgets_to_publish",
+    "wrong_node_taken": "writing_check.py:unlocks_every_write",
+    "group_spans_stages": "attn_groups.py:with_the_pipeline",
+    "missing_group": "attn_groups.py:attention_tp_only",
+    "not_groups": "attn_groups.py:the_ranks_not_the_groups",
+}
+
+
+def mistakes_table() -> str:
+    """The markdown table of every kind of mistake the audit recognises (docs/notebooks.md): its name in a
+    verdict, whether it stops the run, a wrong answer that shows it, and the check's words for why."""
+    rows = ["| `WRONG (kind)` | stops the run | shown by `teaching/mistakes/` | the check says |", "|---|---|---|---|"]
+    rows += [
+        f"| `{kind}` | {'at once' if fatal else 'no: the run shows it'} | `{EXAMPLES[kind]}` | {why} |"
+        for kind, (fatal, why) in MISTAKES.items()
+    ]
+    return "\n".join(rows)
+
+
+def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
+    for slot in SYNC_IMPL_SLOTS:
+        parser.add_argument(
+            f"--{slot.replace('_', '-')}",
+            metavar="FILE.py:FUNCTION",
+            help=f"your {slot} (a .py file's path, or MODULE:FUNCTION)",
+        )
+    parser.add_argument("--out", default="runs/exercise", help="where each world's run is written")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--full", action="store_true", help="twice the clients, rounds and device pool")
+    parser.add_argument("--table", action="store_true", help="print the table of mistakes the check recognises")
+
+
+def cmd_exercise(args: argparse.Namespace) -> int:
+    if args.table:
+        print(mistakes_table())
+        return 0
+    given = {slot: getattr(args, slot) for slot in SYNC_IMPL_SLOTS}
+    if not any(given.values()):
+        print("give at least one of --pp-sync, --writing-check, --attn-groups (FILE.py:FUNCTION)", file=sys.stderr)
+        return 2
+    verdict = check(**given, out_dir=args.out, device=args.device, quick=not args.full)
+    print(verdict)
+    return 0 if verdict.ok else 1
