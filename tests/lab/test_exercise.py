@@ -1,7 +1,8 @@
 """The exercise's check (`hicache_lab.lab.teach.exercise`) rejects every wrong answer in teaching/mistakes/ with the
 cause it names (the audit's kind of mistake, or what the run shows), and accepts two different right answers
 on every world. Each wrong answer runs on the one world that shows its mistake (`check(worlds=...)`), so that
-the suite stays quick; `python -m hicache_lab exercise` runs them all in turn."""
+the suite stays quick; `python -m hicache_lab exercise` runs them all in turn (one wrong answer, SHELL, is
+checked through it: the command's first world is the one that shows it)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,13 @@ WRONG = [
 ]
 
 
-@pytest.mark.parametrize(("slot", "name", "world", "kind", "words"), WRONG, ids=[w[1] for w in WRONG])
+# Checked through the shell command instead (test_the_shell_command_works_from_the_repository_root): its first
+# world is the one that shows this answer's mistake, so the command makes the same run, and one run serves both.
+SHELL = "drops_the_handle"
+IN_PROCESS = [w for w in WRONG if w[1] != SHELL]
+
+
+@pytest.mark.parametrize(("slot", "name", "world", "kind", "words"), IN_PROCESS, ids=[w[1] for w in IN_PROCESS])
 def test_a_wrong_answer_is_rejected_with_its_cause(tmp_path, slot, name, world, kind, words):
     verdict = check(**{slot: f"{TEACHING / 'mistakes' / slot}.py:{name}"}, out_dir=tmp_path, worlds=(world,))
     assert not verdict.ok, str(verdict)
@@ -143,18 +150,17 @@ def test_the_stubs_fail_with_what_to_write(tmp_path):
 
 
 def test_the_shell_command_works_from_the_repository_root(tmp_path):
-    cmd = [
-        sys.executable,
-        "-m",
-        "hicache_lab",
-        "exercise",
-        "--pp-sync",
-        "teaching/mistakes/pp_sync.py:drops_the_handle",
-    ]
-    cmd += ["--out", str(tmp_path)]
+    """`python -m hicache_lab exercise` on the wrong answer SHELL, every world in turn: the first shows its mistake
+    and stops the check, so this is that answer's run, and its verdict is checked as the in-process ones are."""
+    slot, name, world, kind, words = next(w for w in WRONG if w[1] == SHELL)
+    assert world == WORLDS[0] and MISTAKES[kind][0], "the command's first world must show it, and stop there"
+    cmd = [sys.executable, "-m", "hicache_lab", "exercise", f"--{slot.replace('_', '-')}"]
+    cmd += [f"teaching/mistakes/{slot}.py:{name}", "--out", str(tmp_path)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert "WRONG (lost_send_handle)" in result.stdout and MISTAKES["lost_send_handle"][1] in result.stdout
+    assert result.stdout.rstrip().endswith("FAILED"), result.stdout
+    assert f"{world.name}: WRONG ({kind})" in result.stdout, result.stdout
+    assert words in result.stdout and MISTAKES[kind][1] in result.stdout, result.stdout
 
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("0*.ipynb"))
