@@ -6,79 +6,21 @@ start instead of corrupting a pool later.
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
-from .errors import ConfigError
+from .errors import require, require_choice, require_numbers, require_seed
 from .mooncake_trace import trace_lengths
+from .parallel_config import ParallelConfig
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
-SYNC_MODES = ("off", "legacy", "fixed")
-# The fixes `fixed` applies and `legacy` lacks; each can be switched alone (cache_sync.py says what each does).
-SYNC_FIXES = (
-    "pp_relay",
-    "cp_groups",
-    "agree_loads",
-    "host_capacity_min",
-    "bounded_drain",
-    "prefetch_groups",
-    "storage_keys",
-    "multi_hop_relay",
-    "always_agree",
-    "alloc_agreement",
-    "prefetch_vote",
-    "prefetch_completion",
-)
-# Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
-LEGACY_FIXES: tuple[str, ...] = ()
-FAULTS = (
-    "kill-rank",
-    "slow-rank",
-    "tear-copy",
-    "misplace-copy",
-    "alloc-fail",
-    "damage-page",
-)  # --fault KIND:RANK@N (entrypoints/hooks.py)
-# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (entrypoints/hooks.py binds it).
-SYNC_IMPL_SLOTS = ("pp_sync", "writing_check", "attn_groups")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
 # Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
 STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")  # of the weights, activations and every KV pool (SGLang serves bf16)
-MAX_COLLECTIVE_TIMEOUT_S = 86_400  # a bound, not a wish: no rank waits longer than this for a peer
-MAX_ASYNC_BATCH_DEPTH = 64  # micro-batch slots beyond --pp; each one costs every stage a loop turn per step
 DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
-
-
-def _check_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
-    _check(value in choices, f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
-
-
-def _check_numbers(section: object) -> None:
-    """Every `int` field holds an integer (not a bool) and every `float` field a finite number. The flags' types
-    ensure it on the command line (entrypoints/args.py); this refuses a config built in Python, by field name
-    (nan passes every `>=` check below)."""
-    for f in fields(section):
-        value, name = getattr(section, f.name), f"{type(section).__name__}.{f.name}"
-        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
-        if f.type == "int" and not (number and isinstance(value, numbers.Integral)):
-            raise ConfigError(f"{name} must be an integer, got {value!r}")
-        if f.type == "float" and not (number and math.isfinite(value)):
-            raise ConfigError(f"{name} must be a finite number, got {value!r}")
-
-
-def _check_seed(value: int, flag: str) -> None:
-    _check(0 <= value < 2**63, f"{flag} {value} must be in 0..2**63-1 (numpy's and torch's generators take those)")
 
 
 @dataclass(slots=True)
@@ -97,15 +39,15 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        _check_choice(self.dtype, DTYPES, "--dtype")
+        require_numbers(self)
+        require_choice(self.dtype, DTYPES, "--dtype")
         for name in ("num_layers", "hidden_size", "num_heads", "mlp_size"):
-            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        _check(self.vocab_size >= 2, "--vocab-size must be at least 2 (greedy sampling needs a choice)")
-        _check(self.rope_theta > 0, "ModelConfig.rope_theta must be > 0")
-        _check(self.logit_scale > 0, "ModelConfig.logit_scale must be > 0")
-        _check_seed(self.seed, "--model-seed")
-        _check(
+            require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        require(self.vocab_size >= 2, "--vocab-size must be at least 2 (greedy sampling needs a choice)")
+        require(self.rope_theta > 0, "ModelConfig.rope_theta must be > 0")
+        require(self.logit_scale > 0, "ModelConfig.logit_scale must be > 0")
+        require_seed(self.seed, "--model-seed")
+        require(
             self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
             f"--hidden-size {self.hidden_size} must split into --num-heads {self.num_heads} heads of even size",
         )
@@ -148,54 +90,54 @@ class CacheConfig:
     flush_between_rounds: bool = False  # drop device and host caches between rounds: hits must come from L3
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        _check(self.page_size >= 1, "--page-size must be at least 1")
-        _check(
+        require_numbers(self)
+        require(self.page_size >= 1, "--page-size must be at least 1")
+        require(
             self.max_total_tokens >= self.page_size,
             f"--max-total-tokens {self.max_total_tokens} must hold at least one page (--page-size {self.page_size})",
         )
-        _check(
+        require(
             self.max_total_tokens % self.page_size == 0,
             f"--max-total-tokens {self.max_total_tokens} is not a multiple of --page-size {self.page_size}: "
             f"use {self.max_total_tokens // self.page_size * self.page_size}",
         )
-        _check(self.hicache_ratio > 0, f"--hicache-ratio {self.hicache_ratio} must be > 0")
-        _check(self.load_back_threshold >= 0, "--load-back-threshold must be >= 0 (tokens)")
-        _check(self.prefetch_timeout_steps >= 0, "--storage-prefetch-timeout-steps must be >= 0")
-        _check_choice(self.write_policy, WRITE_POLICIES, "--hicache-write-policy")
-        _check_choice(self.host_layout, HOST_LAYOUTS, "--hicache-mem-layout")
-        _check_choice(self.latency, LATENCY_MODELS, "--latency")
-        _check(self.max_copy_delay_steps >= 0, "--max-copy-delay-steps must be >= 0")
-        _check(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
-        _check(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
-        _check_choice(self.storage_backend, STORAGE_BACKENDS, "--hicache-storage-backend")
-        _check_choice(self.storage_writers, STORAGE_WRITERS, "--hicache-storage-writers")
-        _check_choice(self.prefetch_policy, PREFETCH_POLICIES, "--hicache-storage-prefetch-policy")
-        _check(
+        require(self.hicache_ratio > 0, f"--hicache-ratio {self.hicache_ratio} must be > 0")
+        require(self.load_back_threshold >= 0, "--load-back-threshold must be >= 0 (tokens)")
+        require(self.prefetch_timeout_steps >= 0, "--storage-prefetch-timeout-steps must be >= 0")
+        require_choice(self.write_policy, WRITE_POLICIES, "--hicache-write-policy")
+        require_choice(self.host_layout, HOST_LAYOUTS, "--hicache-mem-layout")
+        require_choice(self.latency, LATENCY_MODELS, "--latency")
+        require(self.max_copy_delay_steps >= 0, "--max-copy-delay-steps must be >= 0")
+        require(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
+        require(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
+        require_choice(self.storage_backend, STORAGE_BACKENDS, "--hicache-storage-backend")
+        require_choice(self.storage_writers, STORAGE_WRITERS, "--hicache-storage-writers")
+        require_choice(self.prefetch_policy, PREFETCH_POLICIES, "--hicache-storage-prefetch-policy")
+        require(
             self.storage_backend == "none" or self.enable_hierarchical_cache,
             "--hicache-storage-backend needs the host tier: add --enable-hierarchical-cache",
         )
-        _check(self.prefetch_threshold >= self.page_size, "--storage-prefetch-threshold must be at least a page")
-        _check(
+        require(self.prefetch_threshold >= self.page_size, "--storage-prefetch-threshold must be at least a page")
+        require(
             self.prefetch_timeout_base_s >= 0 and self.prefetch_timeout_per_ki_token_s >= 0,
             "--prefetch-timeout-base and --prefetch-timeout-per-ki-token must be >= 0 seconds",
         )
-        _check(
+        require(
             0 < self.prefetch_capacity_fraction <= 1,
             f"CacheConfig.prefetch_capacity_fraction {self.prefetch_capacity_fraction} must be in (0, 1] "
             "(the share of the host pool that prefetches in flight may ask for)",
         )
-        _check(
+        require(
             bool(self.mooncake_master) == bool(self.mooncake_metadata_url),
             "give --mooncake-master and --mooncake-metadata-url together (or neither, to start a master)",
         )
         host, _, port = self.mooncake_master.rpartition(":")
-        _check(
+        require(
             not self.mooncake_master or (bool(host) and port.isdigit() and 1 <= int(port) <= 65535),
             f"--mooncake-master {self.mooncake_master!r}: write HOST:PORT, e.g. 127.0.0.1:50051",
         )
         if self.enable_hierarchical_cache and self.hicache_size_gb == 0:
-            _check(
+            require(
                 self.hicache_ratio > 1,
                 f"--hicache-ratio {self.hicache_ratio} gives a host pool no larger than the device pool: "
                 "use a ratio > 1 (SGLang's default is 2)",
@@ -208,7 +150,7 @@ class CacheConfig:
         else:
             tokens = int(self.max_total_tokens * self.hicache_ratio)
         tokens = tokens // self.page_size * self.page_size
-        _check(
+        require(
             tokens > self.max_total_tokens,
             f"host pool ({tokens} tokens) is not larger than the device pool ({self.max_total_tokens} tokens): "
             "raise --hicache-size or --hicache-ratio, or lower --max-total-tokens",
@@ -234,8 +176,8 @@ class WorkloadConfig:
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
 
     def __post_init__(self) -> None:
-        _check_numbers(self)
-        _check_seed(self.seed, "--seed")
+        require_numbers(self)
+        require_seed(self.seed, "--seed")
         for name in (
             "num_clients",
             "num_rounds",
@@ -244,16 +186,16 @@ class WorkloadConfig:
             "max_running_requests",
             "max_prefill_tokens",
         ):
-            _check(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        _check(
+            require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        require(
             self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
             f"--chunked-prefill-size {self.chunked_prefill_size}: give a token count, or -1 to turn chunking off",
         )
-        _check(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
-        _check(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
+        require(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
+        require(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
         if self.trace_file:
             windows, requests = self.num_rounds if self.round_barrier else 1, len(self._trace_lengths())
-            _check(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
+            require(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
 
     def _trace_lengths(self) -> tuple[tuple[int, int], ...]:
         """(line, tokens of KV) of every request of the trace."""
@@ -273,152 +215,54 @@ class WorkloadConfig:
 
 
 @dataclass(slots=True)
-class ParallelConfig:
-    """World layout: tp x cp x pp ranks (lab --tp T --cp C = SGLang --tp-size T*C --attn-cp-size C)."""
-
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    sync: str = "fixed"
-    device: str = "cpu"
-    collective_timeout_s: float = 60.0
-    consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
-    enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
-    disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
-    pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
-    pp_async_batch_depth: int = 0  # micro-batch slots beyond pp (SGLang's --pp-async-batch-depth)
-    # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write), alloc-fail
-    # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots), damage-page
-    # (the Nth page it reads from the file store is damaged on disk first)
-    fault: str = ""
-    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync, writing_check, _attn_groups
-
-    def __post_init__(self) -> None:
-        _check_numbers(self)
-        for name in ("tp", "cp", "pp"):
-            _check(getattr(self, name) >= 1, f"--{name} must be at least 1")
-        _check_choice(self.sync, SYNC_MODES, "--sync")
-        _check_choice(self.device, DEVICES, "--device")
-        _check(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
-        _check(
-            self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S,
-            f"--collective-timeout {self.collective_timeout_s:g} s: a stuck collective would hang that long; "
-            f"give at most {MAX_COLLECTIVE_TIMEOUT_S} s (a day)",
-        )
-        _check(self.consensus_check >= 0, "--consensus-check must be >= 0 (0 turns it off)")
-        _check(self.pp_async_batch_depth >= 0, "--pp-async-batch-depth must be >= 0")
-        _check(
-            self.pp_async_batch_depth <= MAX_ASYNC_BATCH_DEPTH,
-            f"--pp-async-batch-depth {self.pp_async_batch_depth}: every slot is one more turn of each stage's event "
-            f"loop per step; give at most {MAX_ASYNC_BATCH_DEPTH} (SGLang's default is 0)",
-        )
-        for name in (*self.enable_fixes, *self.disable_fixes):
-            _check_choice(name, SYNC_FIXES, "fix")
-        _check(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
-        for spec in self.sync_impls:
-            slot, _, target = spec.partition("=")
-            module, _, function = target.partition(":")
-            _check(
-                bool(module and function),
-                f"--sync-impl {spec!r}: write SLOT=MODULE:FUNCTION, e.g. pp_sync=my_sync:pp_sync",
-            )
-            _check_choice(slot, SYNC_IMPL_SLOTS, "--sync-impl slot")
-        slots = [spec.partition("=")[0] for spec in self.sync_impls]
-        _check(len(set(slots)) == len(slots), f"--sync-impl names a slot twice ({', '.join(slots)}): keep one each")
-        _check(
-            not self.pp_layer_partition or len(self.pp_layer_partition) == self.pp,
-            f"--pp-layer-partition {','.join(map(str, self.pp_layer_partition))} needs one layer count per stage "
-            f"(--pp {self.pp})",
-        )
-        _check(all(n >= 1 for n in self.pp_layer_partition), "--pp-layer-partition: every stage needs a layer")
-        if self.fault:
-            kind, rank, n = self.fault_spec
-            _check(rank < self.world_size, f"--fault {self.fault}: rank {rank} is not in a world of {self.world_size}")
-            _check(
-                kind != "slow-rank" or n < 250 * self.collective_timeout_s,
-                f"--fault {self.fault}: a sleep of {n} ms every iteration makes its peers wait past a quarter of "
-                f"--collective-timeout {self.collective_timeout_s:g}: give fewer ms or a longer timeout",
-            )
-            _check(
-                not self.fault.startswith("kill-rank") or self.world_size > 1,
-                "--fault kill-rank needs a world of 2 or more ranks (a single rank runs in the launching process)",
-            )
-
-    @property
-    def fault_spec(self) -> tuple[str, int, int]:
-        """(kind, rank, n) of --fault KIND:RANK@N."""
-        kind, _, where = self.fault.partition(":")
-        rank, _, at = where.partition("@")
-        _check(
-            kind in FAULTS and rank.isdigit() and at.isdigit(),
-            f"--fault {self.fault!r}: write KIND:RANK@N with KIND one of {', '.join(FAULTS)}, e.g. kill-rank:1@20",
-        )
-        return kind, int(rank), int(at)
-
-    @property
-    def fixes(self) -> frozenset[str]:
-        implied = set(SYNC_FIXES) if self.sync == "fixed" else set(LEGACY_FIXES) if self.sync == "legacy" else set()
-        return frozenset((implied | set(self.enable_fixes)) - set(self.disable_fixes))
-
-    @property
-    def micro_batches(self) -> int:
-        """Micro-batch slots of the event loop (SGLang's pp_loop_size)."""
-        return self.pp + self.pp_async_batch_depth
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp
-
-
-@dataclass(slots=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_outputs: bool = False
-    record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (mem_cache/recording.py) for `conform`
+    record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (lab/sglang/recording.py) for `conform`
 
     def __post_init__(self) -> None:
         longest, w = self.workload.longest_sequence(), self.workload
         if w.trace_file:  # name the longest line, before a rank draws its tokens
             number, tokens = max(w._trace_lengths(), key=lambda line: line[1])
-            _check(
+            require(
                 self.cache.max_total_tokens > tokens + self.cache.page_size,
                 f"--trace-file {w.trace_file}:{number}: its request holds {tokens} tokens of KV (prompt and output at "
                 f"--trace-block-tokens {w.trace_block_tokens} per hash id), more than --max-total-tokens "
                 f"{self.cache.max_total_tokens} holds with a page to spare: raise it, or lower --trace-block-tokens",
             )
-        _check(
+        require(
             self.cache.max_total_tokens > longest + self.cache.page_size,
             f"--max-total-tokens {self.cache.max_total_tokens} cannot hold one request of the workload "
             f"({longest} tokens plus a page): raise it, or shorten the conversation",
         )
-        _check(
+        require(
             self.model.num_layers >= self.parallel.pp,
             f"--pp {self.parallel.pp} needs at least as many layers (--num-layers {self.model.num_layers})",
         )
         partition = self.parallel.pp_layer_partition
-        _check(
+        require(
             not partition or sum(partition) == self.model.num_layers,
             f"--pp-layer-partition {','.join(map(str, partition))} must add up to --num-layers {self.model.num_layers}",
         )
-        _check(
+        require(
             not self.parallel.fault.startswith("damage-page") or self.cache.storage_backend == "file",
             "--fault damage-page damages a page file: add --hicache-storage-backend file",
         )
         most_ms = self.parallel.collective_timeout_s * 1e3 / DELAY_TIMEOUT_RATIO
-        _check(
+        require(
             self.cache.injected_delay_ms <= most_ms,
             f"--injected-delay-ms {self.cache.injected_delay_ms:g} is the mean delay of every copy, and a rank waiting "
             f"on a queue of them sits outside the collectives its peers wait in: keep it under 1/{DELAY_TIMEOUT_RATIO} "
             f"of --collective-timeout ({most_ms:g} ms for {self.parallel.collective_timeout_s:g} s), or raise that",
         )
-        _check(
+        require(
             self.model.num_heads % self.parallel.tp == 0,
             f"--num-heads {self.model.num_heads} must be divisible by --tp {self.parallel.tp}",
         )
-        _check(
+        require(
             not (self.check_outputs and self.model.dtype == "bfloat16" and self.parallel.tp > 1),
             f"--check-outputs compares with an unsharded reference, and in bfloat16 the partial sums of --tp "
             f"{self.parallel.tp} shards alone move logits past its tolerance (0.34 measured at --tp 2, and a token "

@@ -1,4 +1,11 @@
-"""The lab's own errors, each with a message that says what to change."""
+"""The lab's own errors, each with a message that says what to change, and the checks that raise a
+`ConfigError` (`require`, `require_choice`, `require_numbers`, `require_seed`) for the config dataclasses."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import fields
 
 
 class ConfigError(ValueError):
@@ -23,3 +30,29 @@ class AllocationError(RuntimeError):
 
 class StallError(RuntimeError):
     """Requests wait, nothing runs, and the copies in flight are never acknowledged: the run cannot progress."""
+
+
+def require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def require_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
+    require(value in choices, f"unknown {flag} {value!r}: use one of {', '.join(choices)}")
+
+
+def require_numbers(section: object) -> None:
+    """Every `int` field holds an integer (not a bool) and every `float` field a finite number. The flags' types
+    ensure it on the command line (entrypoints/args.py); this refuses a config built in Python, by field name
+    (nan passes every `>=` check below)."""
+    for f in fields(section):
+        value, name = getattr(section, f.name), f"{type(section).__name__}.{f.name}"
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if f.type == "int" and not (number and isinstance(value, numbers.Integral)):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
+        if f.type == "float" and not (number and math.isfinite(value)):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+
+
+def require_seed(value: int, flag: str) -> None:
+    require(0 <= value < 2**63, f"{flag} {value} must be in 0..2**63-1 (numpy's and torch's generators take those)")

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hicache_lab.config import ParallelConfig, RunConfig
+from hicache_lab.config import RunConfig
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.lab.presets import WORKLOAD, WORLD, config
+from hicache_lab.parallel_config import ParallelConfig
 
 torch.set_num_threads(1)  # as a rank does: tiny tensors, shared cores
 

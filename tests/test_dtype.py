@@ -7,13 +7,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hicache_lab.config import ModelConfig, ParallelConfig
+from hicache_lab.config import ModelConfig
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.rank import build_rank
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
 from hicache_lab.model import TinyModel
+from hicache_lab.parallel_config import ParallelConfig
 
 SMALL = f"{WORKLOAD} --num-layers 2 --collective-timeout 30"
 FILE_STORE = "--enable-hierarchical-cache --hicache-storage-backend file --flush-cache-between-rounds"

@@ -17,6 +17,7 @@ LAYERS = (  # bottom up
     "__init__",
     "errors",
     "mooncake_trace",
+    "parallel_config",
     "config",
     "distributed",
     "mem_cache",

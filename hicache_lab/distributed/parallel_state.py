@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..config import ParallelConfig
+from ..parallel_config import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -16,16 +16,13 @@ from ..config import (
     LATENCY_MODELS,
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
-    SYNC_FIXES,
-    SYNC_IMPL_SLOTS,
-    SYNC_MODES,
     WRITE_POLICIES,
     CacheConfig,
     ModelConfig,
-    ParallelConfig,
     RunConfig,
     WorkloadConfig,
 )
+from ..parallel_config import SYNC_FIXES, SYNC_IMPL_SLOTS, SYNC_MODES, ParallelConfig
 
 
 def finite_float(text: str) -> float:

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import CacheConfig, ParallelConfig
+from ..config import CacheConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import Groups, RankLayout, build_groups
+from ..parallel_config import ParallelConfig
 from .base import CopyEngine, StorageBackend
 from .cache_controller import HiCacheController
 from .copy_engine import make_copy_engine

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from hicache_lab.config import ParallelConfig
 from hicache_lab.distributed.cache_sync import MAX, CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 from hicache_lab.errors import ConsensusError
+from hicache_lab.parallel_config import ParallelConfig
 
 TIMEOUT_S = 30
 WORLDS = {"pp3": (1, 1, 3), "tp2cp2": (2, 2, 1)}

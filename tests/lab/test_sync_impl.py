@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from hicache_lab.config import ParallelConfig
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import run
 from hicache_lab.lab.teach.sync_impl import SyncImplError, call_bounded, resolve
+from hicache_lab.parallel_config import ParallelConfig
 
 RELAYS = textwrap.dedent(
     """

@@ -8,13 +8,14 @@ import json
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ParallelConfig
+from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
 from hicache_lab.mem_cache.tree_node import node_hashes
+from hicache_lab.parallel_config import ParallelConfig
 
 
 def storage_world(world_config, **parallel):

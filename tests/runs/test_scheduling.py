@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from hicache_lab.config import CacheConfig, ParallelConfig
+from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.managers.schedule_batch import Req
@@ -14,6 +14,7 @@ from hicache_lab.managers.scheduler import Scheduler
 from hicache_lab.managers.step_trace import read_trace
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
+from hicache_lab.parallel_config import ParallelConfig
 
 PRESSURE = {
     "chunked_prefill_size": 16,

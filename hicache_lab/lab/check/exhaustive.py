@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ...config import SYNC_MODES, CacheConfig, ParallelConfig
+from ...config import CacheConfig
 from ...distributed.cache_sync import CacheSync
 from ...distributed.parallel_state import RankLayout, build_groups
 from ...entrypoints.launch import join_world, spawn_ranks
@@ -30,6 +30,7 @@ from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 from ...mem_cache.build import KVShape, build_cache
 from ...mem_cache.copy_engine import VirtualCopyEngine
+from ...parallel_config import SYNC_MODES, ParallelConfig
 
 SEQ = 4  # tokens per inserted sequence
 TIMEOUT_S = 30

@@ -30,9 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...config import SYNC_IMPL_SLOTS, RunConfig
+from ...config import RunConfig
 from ...entrypoints.launch import run
 from ...errors import ConfigError
+from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
 from ..presets import WORLD, config
 from .explain import audit_lines, crash_kind, explain_run, finding_words, first_finding, lockstep_words

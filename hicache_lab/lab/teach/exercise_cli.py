@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...config import SYNC_IMPL_SLOTS
+from ...parallel_config import SYNC_IMPL_SLOTS
 from .exercise import check
 from .mistakes import MISTAKES
 
