@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ModelConfig, ParallelConfig, RunConfig, WorkloadConfig
+from hicache_lab.config import CacheConfig, ModelConfig, RunConfig, WorkloadConfig
+from hicache_lab.parallel_config import ParallelConfig
 from hicache_lab.entrypoints import preflight
 from hicache_lab.entrypoints.args import FLAGS, SECTIONS
 from hicache_lab.entrypoints.preflight import check_writable_dir, memory_needed

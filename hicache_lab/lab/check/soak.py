@@ -38,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...config import PREFETCH_POLICIES, SYNC_MODES, WRITE_POLICIES
+from ...config import PREFETCH_POLICIES, WRITE_POLICIES
+from ...parallel_config import SYNC_MODES
 from ...entrypoints.args import finite_float
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
