@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint notebooks render clean
+.PHONY: demo test check lint notebooks render clean
 
 $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
+
+# The inner loop: every test that runs in this one process and quickly (no spawned ranks, CLI runs, torchrun or
+# notebooks: markers in pyproject.toml, kept honest by tests/conftest.py), every subpackage touched.
+check: $(STAMP)
+	$(PY) -m pytest -q --durations=5 -m "not spawns and not notebook and not slow" tests
 
 # Re-execute every notebook in place (quick mode, outputs kept for reading unrun).
 notebooks: $(STAMP)

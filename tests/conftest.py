@@ -1,9 +1,12 @@
 """Shared helpers: the lab's small world (lab/presets.py), which still overflows the device pool, so eviction
-and load-back happen."""
+and load-back happen; and the guard that keeps the fast tier (`make check`) in one process."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from multiprocessing.process import BaseProcess
 
 import pytest
 import torch
@@ -53,3 +56,48 @@ def groups():
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+class ProcessGuard:
+    """A test that starts a process of this Python (a rank, the CLI, torchrun, a kernel, a probe), in its own
+    body or in a fixture set up for it, is marked `spawns` or `notebook` (pyproject.toml), so that `make check`
+    (`-m "not spawns and not notebook and not slow"`) runs in this process alone: the test errors, naming what
+    it started, if it is not."""
+
+    def __init__(self):
+        self.started: list[str] = []
+        self.start, self.popen = BaseProcess.start, subprocess.Popen.__init__
+        guard = self
+
+        def start(process):
+            guard.started.append(f"a {type(process).__name__} of {getattr(process, '_target', None)}")
+            return guard.start(process)
+
+        def popen(process, args, *rest, **kwargs):
+            argv = [args] if isinstance(args, (str, bytes)) else list(args)
+            if any(str(a).startswith(sys.executable) or "hicache_lab" in str(a) for a in argv[:3]):
+                guard.started.append(" ".join(map(str, argv))[:120])
+            return guard.popen(process, args, *rest, **kwargs)
+
+        BaseProcess.start, subprocess.Popen.__init__ = start, popen
+
+    def verdict(self, item) -> str | None:
+        if not self.started or item.get_closest_marker("spawns") or item.get_closest_marker("notebook"):
+            return None
+        return f"this test starts processes ({'; '.join(self.started)}): mark it @pytest.mark.spawns"
+
+
+GUARD = ProcessGuard()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    GUARD.started.clear()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if why := GUARD.verdict(item):
+        pytest.fail(why, pytrace=False)

@@ -19,6 +19,8 @@ from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 from hicache_lab.errors import ConsensusError
 from hicache_lab.parallel_config import ParallelConfig
 
+pytestmark = pytest.mark.spawns
+
 TIMEOUT_S = 30
 WORLDS = {"pp3": (1, 1, 3), "tp2cp2": (2, 2, 1)}
 

@@ -4,7 +4,11 @@ stages see their copies finish at different steps."""
 
 from __future__ import annotations
 
+import pytest
+
 from hicache_lab.lab.check.exhaustive import check, completion_steps, timings
+
+pytestmark = pytest.mark.spawns
 
 
 def test_fixed_keeps_every_schedule_identical_and_legacy_breaks_every_uneven_one():

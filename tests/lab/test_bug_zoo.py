@@ -7,6 +7,8 @@ import pytest
 
 from hicache_lab.lab.check.zoo import ENTRIES, consistent, reproduce
 
+pytestmark = pytest.mark.spawns
+
 
 @pytest.mark.parametrize("name", ENTRIES)
 def test_broken_shows_the_failure_and_the_fix_removes_it(name, tmp_path):

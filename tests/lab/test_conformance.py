@@ -65,6 +65,7 @@ def explain(result) -> str:
     max_delay=st.integers(0, 3),
     host_ratio=st.sampled_from([1.5, 3.0]),
 )
+@pytest.mark.slow
 def test_random_operations_answer_as_sglang_does(
     groups, tmp_path_factory, ops, page_size, policy, max_delay, host_ratio
 ):

@@ -47,7 +47,7 @@ def record(flags: str, out) -> dict:
     return run(cfg, out, verbose=False)
 
 
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.spawns] * ("--pp" in RUNS[n])) for n in RUNS])
 def test_a_recorded_run_replays_equal_through_sglang(name, tmp_path):
     summary = record(RUNS[name], tmp_path)
     assert summary["completed"]

@@ -18,6 +18,8 @@ from hicache_lab.lab.teach.exercise import WORLDS, check
 from hicache_lab.lab.teach.exercise_cli import EXAMPLES, mistakes_table
 from hicache_lab.lab.teach.mistakes import MISTAKES
 
+pytestmark = pytest.mark.spawns
+
 ROOT = Path(__file__).resolve().parents[2]
 TEACHING = ROOT / "teaching"
 PP2, PP3, TP2, CP2, SLOW, L3 = WORLDS

@@ -13,6 +13,8 @@ from hicache_lab.lab.figures.regenerate import FILES
 from hicache_lab.lab.teach.chain import find_chain
 from hicache_lab.managers.step_trace import read_trace
 
+pytestmark = pytest.mark.spawns
+
 
 @pytest.fixture(scope="module")
 def figures_dir(tmp_path_factory):

@@ -27,6 +27,7 @@ def test_committed_outputs_hold_no_warnings_or_machine_paths(path):
     assert not leaked, f"{path.name}: {leaked[:3]}"
 
 
+@pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs_in_quick_mode(path, tmp_path):
     copy = tmp_path / path.name

@@ -12,6 +12,8 @@ import pytest
 
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
 
+pytestmark = pytest.mark.spawns
+
 NAMES = ("_pp_sync", "_all_reduce", "writing_check", "loading_check", "_create_sync_groups")
 
 

@@ -74,6 +74,7 @@ def test_malformed_sync_impl_names_the_flag(specs, message):
     ("spec", "message"),
     [("pp_sync=no_such_module_here:relay", "cannot import"), ("pp_sync=lab_relays:missing", "has no function")],
 )
+@pytest.mark.spawns
 def test_cli_rejects_a_sync_impl_it_cannot_load_and_exits_2(tmp_path, spec, message):
     (tmp_path / "lab_relays.py").write_text(RELAYS)
     cmd = [sys.executable, "-m", "hicache_lab", "run", "--sync-impl", spec, "--out", str(tmp_path / "out")]
@@ -108,6 +109,7 @@ def test_a_sync_impl_that_raises_or_exits_stops_the_run_naming_it(small_config, 
     assert f"SyncImplError: --sync-impl {spec} {said}" in summary["error"]
 
 
+@pytest.mark.spawns
 def test_a_sync_impl_that_never_returns_fails_after_twice_the_collective_timeout(misbehaving):
     """A world of one rank has no peer whose collective would time out: the bound is the only way out."""
     cmd = [sys.executable, "-m", "hicache_lab", "run", "--enable-hierarchical-cache", "--num-rounds", "2"]

@@ -41,7 +41,7 @@ def why_mooncake_cannot_run() -> str | None:
     return None
 
 
-pytestmark = pytest.mark.skipif(bool(reason := why_mooncake_cannot_run()), reason=reason or "")
+pytestmark = [pytest.mark.spawns, pytest.mark.skipif(bool(reason := why_mooncake_cannot_run()), reason=reason or "")]
 
 
 def run_in_namespace(out, extra: str = "") -> dict:

@@ -46,12 +46,14 @@ def test_every_prefetch_policy_keeps_outputs_exact(world_config, tmp_path, polic
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
 
 
+@pytest.mark.spawns
 def test_cp_peers_with_fixed_keys_hit_like_one_rank(world_config, tmp_path, single_rank_storage_hit):
     summary = run(storage_world(world_config, cp=2), tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)
 
 
+@pytest.mark.spawns
 def test_cp_rank_in_storage_keys_collapses_the_hit_rate_only_with_one_writer(world_config, tmp_path):
     """With one writer per CP group (CP rank 0) the peer looks for keys nobody wrote: the MIN of hits is 0. With
     every rank writing its own copy (SGLang's MHA keys) the CP rank in the key changes nothing."""
@@ -65,11 +67,13 @@ def test_cp_rank_in_storage_keys_collapses_the_hit_rate_only_with_one_writer(wor
     assert hits["one"] == 0.0 and hits["every-rank"] > 0.5
 
 
+@pytest.mark.spawns
 def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
     summary = run(storage_world(world_config, cp=2, sync="legacy"), tmp_path, verbose=False)
     assert summary["diverged"]
 
 
+@pytest.mark.spawns
 def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, tmp_path, single_rank_storage_hit):
     cfg = storage_world(world_config, cp=2)
     cfg.cache.latency = "real"  # a backup thread and a prefetch thread per rank, agreeing on their own groups
@@ -80,6 +84,7 @@ def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, t
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit, rel=0.05)
 
 
+@pytest.mark.spawns
 def test_a_wall_clock_timeout_decided_by_pp_rank_0_keeps_the_stages_together(world_config, tmp_path):
     """`timeout` under real latency counts wall time (SGLang 0.5.23: 1 s + 0.25 s per Ki tokens; here 10 ms so
     that it fires): the stages' clocks differ, so PP rank 0 decides and relays; both stages cut the same

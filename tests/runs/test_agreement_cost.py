@@ -5,6 +5,7 @@ panel is drawn from a table written by hand)."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 from PIL import Image
 
 from bench.agreement_cost import CSV_FIELDS
@@ -16,6 +17,7 @@ from hicache_lab.lab.figures.sync_cost import plot_sync_cost
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
 
 
+@pytest.mark.spawns
 def test_every_stage_reports_every_measurement(tmp_path):
     rows, values = measure_primitives([3], SMOKE)  # first, middle and last stage
     frame = pd.DataFrame(rows)

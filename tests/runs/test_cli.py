@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from hicache_lab.managers.step_trace import load_trace
+
+pytestmark = pytest.mark.spawns
 
 SMALL = "--num-clients 3 --num-rounds 3 --request-length 24 --sub-question-input-length 8 --output-length 4"
 

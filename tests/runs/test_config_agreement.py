@@ -14,6 +14,8 @@ from hicache_lab.entrypoints.rank import agree_on_config, meet
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
 
+pytestmark = pytest.mark.spawns
+
 
 def _join_and_agree(rank: int, size: int, port: int, flags: tuple[str, ...], out: Path) -> None:
     join_world(rank, size, port, 30)

@@ -8,6 +8,8 @@ from hicache_lab.config import CacheConfig, RunConfig
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import mean_hit_rate
 
+pytestmark = pytest.mark.slow  # the default workload, in this process: seconds
+
 
 @pytest.fixture(scope="module")
 def demo_rounds():

@@ -33,6 +33,7 @@ def test_chances_find_the_nth_inside_a_batch_and_record_what_came():
     )
 
 
+@pytest.mark.spawns
 def test_a_fault_that_never_fires_fails_the_cli_and_names_an_n_that_would(tmp_path):
     flags = [*WORKLOAD.split(), "--num-layers", "2", "--enable-hierarchical-cache", "--check-outputs"]
     cmd = [sys.executable, "-m", "hicache_lab", "run", *flags, "--fault", "alloc-fail:0@100000", "--out", "out"]

@@ -35,6 +35,7 @@ def run_cli(tmp_path: Path, *args: str, prefix: tuple[str, ...] = ()) -> tuple[d
     return summary, json.loads((out / "rank0.json").read_text()), done.stderr
 
 
+@pytest.mark.spawns
 def test_a_killed_rank_ends_the_world_within_the_timeout_and_is_named(world_config, tmp_path):
     cfg = world_config(pp=2, collective_timeout_s=30, fault="kill-rank:1@10")
     summary = run(cfg, tmp_path, verbose=False)
@@ -79,6 +80,7 @@ def test_a_full_disk_turns_backups_into_misses_with_a_warning(tmp_path):
     not _can(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "true"]),
     reason="needs setpriv and the right to drop capabilities",
 )
+@pytest.mark.spawns
 def test_a_store_the_run_cannot_use_is_refused_at_start(tmp_path):
     store = tmp_path / "store"
     filled, _, _ = run_cli(tmp_path, *STORAGE, "--hicache-storage-dir", str(store))
@@ -111,6 +113,7 @@ def test_a_rank_that_timed_out_waiting_is_a_symptom_and_the_stuck_peer_is_named(
     ), "a rank that raised is the cause even when a peer timed out before it"
 
 
+@pytest.mark.spawns
 def test_a_signal_that_finds_the_main_thread_blocked_in_cpp_still_ends_the_process_with_its_files():
     """A Python handler waits while the main thread is blocked in C++ (as in a gloo collective whose peer is
     stuck); the watcher, woken by the same signal, writes what the process owes and exits 128 + signal."""
@@ -130,6 +133,7 @@ def test_a_signal_that_finds_the_main_thread_blocked_in_cpp_still_ends_the_proce
     assert proc.returncode == 128 + signal.SIGTERM and "wrote what it owes on SIGTERM" in out
 
 
+@pytest.mark.spawns
 def test_a_rank_dies_with_its_launcher_even_by_sigkill():
     code = (
         "import os, subprocess, sys\n"
@@ -154,6 +158,7 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+@pytest.mark.spawns
 @pytest.mark.skipif(not _can(["prlimit", "--fsize=100000", "true"]), reason="needs prlimit(1)")
 def test_a_full_disk_ends_the_run_with_the_file_named_and_no_traceback(tmp_path):
     """RLIMIT_FSIZE stands in for a full disk (Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""

@@ -11,6 +11,8 @@ import pytest
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.managers.step_trace import read_trace
 
+pytestmark = pytest.mark.spawns
+
 WORLDS = {"pp2": {"pp": 2}, "cp2": {"cp": 2}, "pp3": {"pp": 3}, "pp2_cp2": {"pp": 2, "cp": 2}}
 
 

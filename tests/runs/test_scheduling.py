@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
@@ -42,6 +44,7 @@ def test_chunked_prefill_and_retraction_keep_outputs_exact(small_config, tmp_pat
     assert counts["chunked_prefills"] > 0 and counts["retractions"] > 0, counts
 
 
+@pytest.mark.spawns
 def test_a_fixed_pipeline_agrees_through_chunks_and_retractions_and_legacy_does_not(world_config, tmp_path):
     fixed = run(under_pressure(world_config(pp=2)), tmp_path / "fixed", verbose=False)
     legacy = run(under_pressure(world_config(pp=2, sync="legacy")), tmp_path / "legacy", verbose=False)

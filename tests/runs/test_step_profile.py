@@ -8,6 +8,8 @@ import json
 import sys
 import threading
 
+import pytest
+
 from bench import step_profile
 from bench.step_timer import CATEGORIES, StepTimer
 from hicache_lab.entrypoints.launch import run
@@ -69,6 +71,7 @@ def test_a_nested_call_counts_once_where_it_ran_and_only_inside_the_root_on_its_
     assert report["labels"]["outer"]["calls"] == 2 and report["labels"]["elsewhere"]["calls"] == 0
 
 
+@pytest.mark.spawns
 def test_every_rank_splits_its_steps_into_the_categories_at_pp_1_and_2(tmp_path, monkeypatch):
     argv = [*WORKLOAD.split(), "--num-layers", "2", "--pp-sizes", "1", "2", "--tiers", "L1+L2"]
     monkeypatch.setattr(sys, "argv", ["step_profile", *argv, "--results-dir", str(tmp_path)])
