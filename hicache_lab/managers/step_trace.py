@@ -37,7 +37,7 @@ class StepRecord:
     relay_sends: int = 0  # relay send handles this rank still holds (grows without bound when reaped by polling)
     host_write_tokens: int = 0  # device -> host tokens whose write-through started in this step
     relay_sent: int = 0  # relay sends this rank issued in this step: with the drain, relay_sends <= relay_sent
-    # For the causal chain (lab/chain.py): what the step's acks unlocked and its evictions took, as [node id,
+    # For the causal chain (lab/teach/chain.py): what the step's acks unlocked and its evictions took, as [node id,
     # tokens] (node ids agree across ranks while their trees do), and each request's cached prefix and new tokens
     unlocked_nodes: list[list[int]] = dataclasses.field(default_factory=list)  # by the acks consumed this step
     evicted_nodes: list[list[int]] = dataclasses.field(default_factory=list)  # device copies dropped this step

@@ -70,7 +70,7 @@ class HiCacheController:
         return CopyJob(layers, partial(into.poison, slots))
 
     def write_job(self, host_idx: torch.Tensor, device_idx: torch.Tensor) -> CopyJob:
-        """The copy a host write runs (where `--fault` tears or misplaces one, entrypoints/hooks.py)."""
+        """The copy a host write runs (where `--fault` tears or misplaces one, lab/check/faults.py)."""
         return self._job(True, host_idx, device_idx)
 
     def write(self, host_indices: torch.Tensor, device_indices: torch.Tensor, node_id: int, queue_ack: bool = True):

@@ -6,7 +6,7 @@ together when it ends), `write_back` only when evicted. An in-flight copy locks 
 consumed, by a count every rank agreed on (`check_hicache_events`). A copy's slots are reserved on every rank or
 on none (`reserve`). Eviction is hiradix_eviction.py's; load back and the insertion of prefetched pages are
 hiradix_load_back.py's. The storage tier moves pages; only this class and its mixins change the tree. Each of
-these is checked against SGLang 0.5.23's own cache (lab/conformance.py).
+these is checked against SGLang 0.5.23's own cache (lab/sglang/conformance.py).
 """
 
 from __future__ import annotations

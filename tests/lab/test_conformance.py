@@ -1,5 +1,5 @@
 """The lab's cache answers every question the scheduler asks as SGLang 0.5.23's own cache does
-(lab/conformance.py, lab/sglang_ref.py): random operation sequences, and recorded runs replayed, compared after
+(lab/sglang/conformance.py, lab/sglang/cache.py): random operation sequences, and recorded runs replayed, compared after
 every operation. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
 
 Each test can fail: `test_a_deliberate_change_to_the_lab_is_caught` makes three one-line changes to the lab (the

@@ -1,5 +1,5 @@
 """SGLang's own source beside the lab's (notebooks 02 and 03) is read from the installed sglang 0.5.23, which
-imports beside the CPU torch through lab/sglang_cpu.py. Run in a fresh interpreter: importing sglang loads much
+imports beside the CPU torch through lab/sglang/cpu.py. Run in a fresh interpreter: importing sglang loads much
 of its model code, which the rest of the suite should not share."""
 
 from __future__ import annotations

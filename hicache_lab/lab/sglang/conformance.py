@@ -1,7 +1,7 @@
 """The lab's cache against SGLang's, operation by operation.
 
 A run with `--record-cache-ops` writes every operation its scheduler asked of its cache, with the lab's answers
-(mem_cache/recording.py). `replay` (`python -m hicache_lab conform RUN_DIR`) sends the same operations, in the same
+(lab/sglang/recording.py). `replay` (`python -m hicache_lab conform RUN_DIR`) sends the same operations, in the same
 order, to SGLang's cache (sglang_ref.py), and each answer is compared with the lab's: matched device length and
 slots, host hit length, room, load-back length, inserted prefix, the slots and node a prefill's insert hands back
 (`cache_unfinished_req`), whether eviction freed what a decode step needs, acks consumed, loads started, copies

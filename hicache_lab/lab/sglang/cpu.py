@@ -6,7 +6,7 @@ stands in for something of SGLang's environment. Nothing of SGLang's is copied; 
   against CUDA torch and do not load beside the CPU one, and nothing on the cache path uses them. So where no
   real torchvision imports, `torchvision` and its submodules are served by placeholders: any attribute is an
   inert stand-in.
-* Three functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang_ref.py):
+* Three functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang/cache.py):
   host memory is pinned with cudaHostRegister (here it stays pageable), `transfer_kv_direct` is an sgl_kernel
   op imported only on CUDA/ROCm (here a copy per layer), and `torch.cpu.Stream` has no `synchronize` (reached
   only on an error path, where its absence would hide the real exception). Each replacement fails loudly if
@@ -137,7 +137,7 @@ def install_cpu_replacements() -> None:
         if not present
     ]
     if missing:
-        raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang_cpu.py follows {SGLANG_VERSION}")
+        raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang/cpu.py follows {SGLANG_VERSION}")
     common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
     mha.transfer_kv_direct = _transfer_kv_direct  # a module global only where CUDA imported it
     if not hasattr(torch.cpu.Stream, "synchronize"):

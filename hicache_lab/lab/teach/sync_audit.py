@@ -1,4 +1,4 @@
-"""What a `--sync-impl` function does, call by call (hooks.py wraps every such function in an `Audit`).
+"""What a `--sync-impl` function does, call by call (sync_impl.py wraps every such function in an `Audit`).
 
 The audit watches the torch.distributed calls your function makes from its own thread (audit_patch.py; the lab's
 own threads pass straight through), with the rules an operation breaks on sight (audit_call.py), then checks the
