@@ -75,7 +75,7 @@ class StageLoop:
     ):
         self.groups, self.sync, self.scheduler, self.model, self.pool = groups, sync, scheduler, model, pool
         self.feeder, self.trace, self.consensus_every = feeder, trace, consensus_every
-        self.on_iteration: list[Callable[[int], None]] = []  # called as each iteration begins (a binder may add one: lab/check/faults.py)
+        self.on_iteration: list[Callable[[int], None]] = []  # as each iteration begins (a binder adds some)
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_control)
         self.last = self.pp_size - 1
         self.loop_size = len(scheduler.running_mbs)  # micro-batch slots: pp + async depth (pp_loop_size)
