@@ -18,7 +18,7 @@ hard wall-clock limit. A run is counted as
 * a **divergence** if ranks consumed different acks, ran different batches or hold different trees,
 * an **output mismatch** if a served request's logits or tokens differ from a from-scratch computation.
 
-`--hostile` runs the hostile-input cases (lab/hostile_cases.py) instead, the slow ones too.
+`--hostile` runs the hostile-input cases (lab/check/hostile/, `cmd_hostile`) instead, the slow ones too.
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from ...config import PREFETCH_POLICIES, WRITE_POLICIES
-from ...parallel_config import SYNC_MODES
 from ...entrypoints.args import finite_float
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
+from ...parallel_config import SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
-from .hostile.cases import CASES
-from .hostile.judge import judge_all, processes, table
+from .hostile.command import add_hostile_flags, cmd_hostile
+from .hostile.judge import processes
 
 OUTCOMES = ("diverged", "crashed", "hung", "mismatched")
 
@@ -239,10 +239,7 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit-s", type=finite_float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")
     parser.add_argument("--results", default=str(BENCH_RESULTS), help="where the CSV and table go")
-    parser.add_argument(
-        "--hostile", action="store_true", help="run every hostile-input case (lab/hostile_cases.py) instead"
-    )
-    parser.add_argument("--table", action="store_true", help="with --hostile: print the README's table, run nothing")
+    add_hostile_flags(parser)  # --hostile, --table
 
 
 def check_soak_args(args: argparse.Namespace) -> None:
@@ -298,31 +295,3 @@ def cmd_soak(args: argparse.Namespace) -> int:
     print(table)
     fixed = [r for r in rows if r["mode"] == "fixed"]
     return 1 if any(_flag(r[k]) for r in fixed for k in OUTCOMES) else 0
-
-
-def cmd_hostile(args: argparse.Namespace) -> int:
-    """Every hostile-input case, `--jobs` at once; a table of what failed in `--results`/hostile.md."""
-    if args.table:
-        print(table(CASES))
-        return 0
-    lines = ["| class | case | result |", "|---|---|---|"]
-    failed, cases = 0, []
-    for case in CASES:
-        if why := case.needs():
-            lines.append(f"| {case.klass} | {case.name} | skipped: {why} |".replace("|", "\\|"))
-            print(f"class {case.klass:>2}  {case.name[:70]:<70} skipped: {why}")
-        else:
-            cases.append(case)
-    for case, problems in judge_all(cases, args.jobs):
-        failed += bool(problems)
-        verdict = "ok" if not problems else "; ".join(problems[:-1]).replace("|", "\\|")
-        lines.append(f"| {case.klass} | {case.name} | {verdict} |")
-        print(f"class {case.klass:>2}  {case.name[:70]:<70} {'ok' if not problems else 'FAILED'}")
-        for problem in problems:
-            print(f"    {problem}")
-    Path(args.results).mkdir(parents=True, exist_ok=True)
-    report = Path(args.results) / "hostile.md"
-    counts = f"{len(cases) - failed} of {len(cases)} cases as required, {len(CASES) - len(cases)} skipped"
-    report.write_text(f"# Hostile input: {counts}\n\n" + "\n".join(lines) + "\n")
-    print(f"{counts}; {report}")
-    return 1 if failed else 0

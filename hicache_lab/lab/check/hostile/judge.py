@@ -1,30 +1,36 @@
 """Hostile input: what an adversarial user tries, and what the lab must answer.
 
-Each case starts `python -m hicache_lab ...` (one process or several) in a scratch directory of its own, which
-holds a user's files beside the run, and is judged on five things:
+Each case runs `python -m hicache_lab ...` (one process or several; a preflight refusal in this process) in a
+scratch directory of its own, which holds a user's files beside the run, and is judged on five things:
 
 * the **exit code** it must end with (2: refused at start; 1: the run failed and says why; 130: interrupted);
 * a **message** its output must contain, naming the flag, the file and line, or the rank to blame;
-* **no process left**: every process of the case's session is gone soon after the launcher ends;
+* **no process left**: every process of the case's session is gone soon after the launcher ends (in this
+  process: no thread and no child process it started outlives it);
 * **no file touched** outside the directories the run owns (`owns`, relative to the scratch directory);
 * **outputs exact** where the run completes (`exact`: its summary's oracle says every output matches).
 
-The cases live in `hostile_cases.py`, one list per class of the issue that asked for them; `make test` runs the
-fast ones (tests/runs/test_hostile.py), `python -m hicache_lab soak --hostile` all of them, and the README's
-table is `table()` of them (a test keeps the two equal).
+The cases live in `c01_*.py` ... `c10_*.py` beside this file, one per class (`CLASSES`), gathered in
+`cases.py`; `make test` runs the fast ones (tests/runs/test_hostile.py), `python -m hicache_lab soak --hostile`
+all of them (`command.py`), and the README's table is `table()` of them (a test keeps the two equal).
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +44,7 @@ CLEAN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "
 class Outcome:
     code: int | None  # None: it outlived its limit and was killed
     output: str
-    leftover: list[str] = field(default_factory=list)  # processes of its session still alive after LINGER_S
+    leftover: list[str] = field(default_factory=list)  # processes (or threads) still alive after LINGER_S
 
 
 @dataclass(frozen=True)
@@ -52,23 +58,24 @@ class Hostile:
     exact: bool = False  # the run completes: out/summary.json must say every output matches its reference
     slow: bool = False  # only in `soak --hostile`, not in `make test`
     needs: Callable[[], str | None] = lambda: None  # why it cannot run on this machine (None: it can)
+    in_process: bool = False  # `run` runs the CLI in this process (run_in_process): one such case at a time
 
 
-CLASSES = {
-    1: "Storage serves another model's KV",
-    2: "A page under another page's name",
-    3: "One stage's damaged page",
-    4: "Hangs no timeout covers",
-    5: "Orphan processes",
-    6: "Lost or mixed files",
-    7: "Ranks started with different flags",
-    8: "Failures that exit 0",
-    9: "Blame and summaries",
-    10: "Values the preflight must refuse",
+CLASSES = {  # the class, and the module of its cases
+    1: ("Storage serves another model's KV", "c01_foreign_model"),
+    2: ("A page under another page's name", "c02_misnamed_pages"),
+    3: ("One stage's damaged page", "c03_damaged_stage"),
+    4: ("Hangs no timeout covers", "c04_hangs"),
+    5: ("Orphan processes", "c05_orphans"),
+    6: ("Lost or mixed files", "c06_mixed_files"),
+    7: ("Ranks started with different flags", "c07_different_flags"),
+    8: ("Failures that exit 0", "c08_silent_failures"),
+    9: ("Blame and summaries", "c09_blame"),
+    10: ("Values the preflight must refuse", "c10_preflight"),
 }
 
 
-def lab(
+def run_cli(
     scratch: Path,
     *args: str,
     env: dict[str, str] | None = None,
@@ -98,6 +105,73 @@ def lab(
         leftover = reap_session(proc.pid)
         log.seek(0)
         return Outcome(code, log.read(), leftover)
+
+
+def run_in_process(scratch: Path, *args: str, env: dict[str, str] | None = None) -> Outcome:
+    """`python -m hicache_lab ARGS` as `run_cli` runs it, in this process: the package run as `-m` runs it
+    (runpy: `sys.exit(main())`; lab/ is below the CLI and does not import it), with `scratch` as the working
+    directory, the environment `run_cli` gives, and stdout and stderr captured. For what is refused before
+    anything starts, without a process start (3-4 s). The working directory, environment, sys.argv and output
+    streams are the process's: run one at a time, with no other case running (judge_all does). A thread (of
+    `threading` or not: the kernel's count) or a child process that it started and that outlives it by
+    LINGER_S is left behind."""
+    threads, tasks, children = set(threading.enumerate()), _tasks(), set(_children_of_this_process())
+    output = io.StringIO()
+    with _as_the_process(scratch, env, args), contextlib.redirect_stdout(output), contextlib.redirect_stderr(output):
+        try:
+            runpy.run_module("hicache_lab", run_name="__main__")
+            code = 0
+        except SystemExit as exit_:  # the exit status the interpreter gives for what sys.exit was given
+            code = 0 if exit_.code is None else exit_.code
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except Exception:  # a traceback, as the interpreter prints it, and exit 1
+            traceback.print_exc()
+            code = 1
+    deadline = time.monotonic() + LINGER_S
+    while ((new := [t for t in threading.enumerate() if t not in threads]) or _tasks() > tasks) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    leftover = [f"thread {t.name!r} of this process" for t in new]
+    if (unnamed := _tasks() - tasks - len(new)) > 0:  # started outside `threading` (C++, _thread)
+        leftover.append(f"{unnamed} more thread(s) of this process, not of `threading`")
+    for pid, command in _children_of_this_process().items():
+        if pid not in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            leftover.append(f"pid {pid}: {command}")
+    return Outcome(code, output.getvalue(), leftover)
+
+
+@contextlib.contextmanager
+def _as_the_process(scratch: Path, env: dict[str, str] | None, args: tuple[str, ...]) -> Iterator[None]:
+    """This process as `run_cli`'s would be: working directory `scratch`, its environment, argv `ARGS`."""
+    environ, cwd, argv = dict(os.environ), os.getcwd(), sys.argv
+    os.chdir(scratch)
+    for name in CLEAN_ENV:
+        os.environ.pop(name, None)
+    os.environ.update(env or {})
+    sys.argv = ["python -m hicache_lab", *args]
+    try:
+        with warnings.catch_warnings():  # runpy warns when the tests have imported hicache_lab.__main__ too
+            warnings.filterwarnings("ignore", "'hicache_lab.__main__' found in sys.modules", RuntimeWarning)
+            yield
+    finally:
+        sys.argv = argv
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def _tasks() -> int:
+    """The threads of this process, as the kernel counts them (Linux)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def _children_of_this_process() -> dict[int, str]:
+    return processes(lambda f: int(f[1]) == os.getpid())
 
 
 def processes(match: Callable[[list[str]], bool]) -> dict[int, str]:
@@ -151,7 +225,7 @@ def judge(case: Hostile, scratch: Path) -> tuple[Outcome, list[str]]:
     if case.says not in outcome.output:
         problems.append(f"output does not say {case.says!r}")
     if outcome.leftover:
-        problems.append(f"processes left behind: {outcome.leftover}")
+        problems.append(f"processes or threads left behind: {outcome.leftover}")
     after = _snapshot(scratch, case.owns)
     if touched := sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k)):
         problems.append(f"files outside {', '.join(case.owns) or 'nothing'} touched: {touched}")
@@ -166,14 +240,18 @@ def judge(case: Hostile, scratch: Path) -> tuple[Outcome, list[str]]:
 
 
 def judge_all(cases: list[Hostile], jobs: int = 1) -> list[tuple[Hostile, list[str]]]:
-    """Every case in a scratch directory of its own, `jobs` at once."""
+    """Every case in a scratch directory of its own, in the order given: first those that run in this process,
+    one at a time and before any other starts (each takes the process's working directory, environment and
+    output streams), then the rest `jobs` at once."""
 
     def one(case: Hostile) -> tuple[Hostile, list[str]]:
         with tempfile.TemporaryDirectory(prefix="hostile-") as scratch:
             return case, judge(case, Path(scratch))[1]
 
+    alone = iter([one(case) for case in cases if case.in_process])
     with ThreadPoolExecutor(jobs) as pool:
-        return list(pool.map(one, cases))
+        rest = iter(list(pool.map(one, [case for case in cases if not case.in_process])))
+    return [next(alone if case.in_process else rest) for case in cases]
 
 
 def table(cases: list[Hostile]) -> str:
@@ -182,5 +260,5 @@ def table(cases: list[Hostile]) -> str:
     for case in sorted(cases, key=lambda c: c.klass):
         says = case.says.replace("|", "\\|")
         slow = " (soak --hostile)" if case.slow else ""
-        lines.append(f"| {case.klass}. {CLASSES[case.klass]} | {case.name}{slow} | {case.code} | `{says}` |")
+        lines.append(f"| {case.klass}. {CLASSES[case.klass][0]} | {case.name}{slow} | {case.code} | `{says}` |")
     return "\n".join(lines)

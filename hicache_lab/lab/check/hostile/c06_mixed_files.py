@@ -1,0 +1,110 @@
+"""Class 6, lost or mixed files: `--out` naming the user's own directory, a second run on a directory in use,
+a run again beside the user's file, torchrun on a larger run's directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+from .common import SMALL, WORLD2, ranks, run_torchrun
+from .judge import Hostile, Outcome, run_cli
+
+
+def _in_user_dir(scratch: Path) -> Outcome:
+    (scratch / "mine").mkdir()
+    (scratch / "mine" / "summary.json").write_text('{"my own": "summary"}\n')
+    return run_cli(scratch, *SMALL, "--out", "mine")
+
+
+def _two_at_once(scratch: Path) -> Outcome:
+    """A second run on `out/` while a first holds it (held there: its rank 1 stopped until the second has
+    ended): the second is refused, the first ends exact."""
+    second = []
+
+    def during(proc: subprocess.Popen) -> None:
+        if found := ranks(proc):
+            os.kill(found[1], signal.SIGSTOP)
+            second.append(run_cli(scratch, *SMALL, "--out", "out"))
+            os.kill(found[1], signal.SIGCONT)
+
+    first = run_cli(scratch, *WORLD2, "--out", "out", during=during)
+    if first.code != 0 or not second:
+        return first
+    return Outcome(second[0].code, second[0].output + first.output, first.leftover + second[0].leftover)
+
+
+def _rerun_beside_notes(scratch: Path) -> Outcome:
+    """A run, a file of the user's put beside its files (named much like them), a second run on the same `out/`:
+    the user's file is kept."""
+    if (first := run_cli(scratch, *SMALL, "--num-rounds", "2", "--out", "out")).code != 0:
+        return first
+    (scratch / "out" / "rank0_notes.json").write_text("{}\n")
+    again = run_cli(scratch, *SMALL, "--out", "out")
+    kept = (scratch / "out" / "rank0_notes.json").is_file()
+    return again if kept else Outcome(None, again.output + "\nout/rank0_notes.json was deleted", again.leftover)
+
+
+def _torchrun_after_a_larger_run(scratch: Path) -> Outcome:
+    """Three stages into `out/`, then two under torchrun on the same `out/`: rank 2's files are not this run's
+    (merged, its trace makes the fixed run diverge)."""
+    run_cli(scratch, *SMALL, "--pp", "3", "--num-rounds", "2", "--out", "out")
+    outcome = run_torchrun(scratch, *SMALL, "--pp", "2", "--out", "out")
+    summary = json.loads((scratch / "out" / "summary.json").read_text())
+    if summary["diverged"] or set(summary["per_rank_hit_rates"]) != {"0", "1"}:
+        return Outcome(None, f"{outcome.output}\nmerged another run's files: {summary['first_divergence']}")
+    return outcome
+
+
+CASES = [
+    Hostile(
+        6,
+        "--out '' (the working directory, with the user's rank0.json)",
+        lambda s: run_cli(s, *SMALL, "--out", ""),
+        2,
+        "--out '' names no directory",
+        owns=(),
+    ),
+    Hostile(
+        6,
+        "--out . (the working directory)",
+        lambda s: run_cli(s, *SMALL, "--out", "."),
+        2,
+        "--out . holds files no run of the lab wrote (notes.txt, rank0.json)",
+        owns=(),
+    ),
+    Hostile(
+        6,
+        "--out a directory of the user's (holding a summary.json)",
+        _in_user_dir,
+        2,
+        "--out mine holds files no run of the lab wrote (summary.json)",
+        owns=("mine",),
+    ),
+    Hostile(
+        6,
+        "a second run on the --out another run holds",
+        _two_at_once,
+        2,
+        "--out out is in use by another run (pid",
+        exact=True,
+    ),
+    Hostile(
+        6,
+        "a run again on its --out, a file of the user's (rank0_notes.json) beside its files",
+        _rerun_beside_notes,
+        0,
+        "outputs_match_reference: True",
+        exact=True,
+    ),
+    Hostile(
+        6,
+        "torchrun, 2 ranks, on the --out of a 3-rank run",
+        _torchrun_after_a_larger_run,
+        0,
+        "outputs_match_reference: True",
+        exact=True,
+    ),
+]

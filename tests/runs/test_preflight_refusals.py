@@ -1,0 +1,161 @@
+"""What the configuration alone cannot check is refused before any rank starts, naming what to change: this
+machine's memory, directories that cannot be written, stale torchrun variables, Mooncake where it cannot run,
+and the exhaustive check's work past its bound. A refusal that a fast class-10 hostile case checks through the
+CLI (tests/runs/test_hostile.py: exit code, message, no file touched) is not repeated here."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import time
+
+import pytest
+
+from hicache_lab.config import CacheConfig, RunConfig
+from hicache_lab.entrypoints import preflight
+from hicache_lab.entrypoints.preflight import check_writable_dir, memory_needed
+from hicache_lab.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--enable-hierarchical-cache", "--hicache-size", "0.00001"], "raise --hicache-size"),
+        (["--enable-hierarchical-cache", "--hicache-storage-backend=file", "--hicache-storage-dir={file}"], "a file"),
+    ],
+)
+def test_what_only_the_launcher_can_check_still_fails_before_any_rank_starts(args, message, tmp_path, capsys):
+    from hicache_lab.__main__ import main
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    assert main(["run", *(a.format(file=a_file) for a in args)]) == 2
+    assert message.format(file=a_file) in capsys.readouterr().err
+
+
+@pytest.mark.spawns  # mooncake_missing probes the import in a process of its own
+def test_mooncake_where_it_cannot_run_is_refused_before_any_rank_starts(tmp_path, capsys):
+    """Where Mooncake cannot run (its package or the system library libibverbs1 missing), a run on it is refused
+    naming what to install; where it can, the same flags pass the check that refuses them."""
+    from hicache_lab.__main__ import main
+    from hicache_lab.mem_cache.hicache_storage import mooncake_missing
+
+    flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+    if why := mooncake_missing():
+        assert main(["run", *flags, "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "--hicache-storage-backend mooncake: `import mooncake.store` fails here" in err, err
+        assert "libibverbs1" in err and "pip install mooncake-transfer-engine-non-cuda" in err and why in err
+        assert not (tmp_path / "out").exists()  # refused before the run claimed its directory
+    else:
+        cfg = RunConfig(cache=CacheConfig(enable_hierarchical_cache=True, storage_backend="mooncake"))
+        preflight.preflight(cfg, tmp_path / "out")
+
+
+# -- this machine: memory, writable directories, the environment --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-total-tokens", str(10**12)], "for device KV pools: lower --max-total-tokens"),
+        (["--enable-hierarchical-cache", "--hicache-ratio", "1e12"], "for host KV pools: lower --hicache-ratio"),
+        (["--enable-hierarchical-cache", "--hicache-size", "1e6"], "for host KV pools: lower --hicache-size"),
+        (["--vocab-size", str(10**9), "--num-clients", "1"], "for model weights: lower --vocab-size"),
+        (
+            ["--chunked-prefill-size", "-1", "--request-length", "200000", "--max-total-tokens", "300000"],
+            "for attention of one prefill: lower --chunked-prefill-size",
+        ),  # fmt: skip
+    ],
+)
+def test_a_world_larger_than_this_machine_is_refused_naming_the_flag(args, message, tmp_path, capsys):
+    from hicache_lab.__main__ import main
+
+    assert main(["run", "--num-rounds", "1", *args, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "more than this machine's" in err and message in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_memory_check_is_against_this_machine(monkeypatch, tmp_path):
+    cfg = RunConfig()
+    assert sum(n for n, _, _ in memory_needed(cfg).values()) < 1e9  # the default world fits any machine
+    preflight.preflight(cfg, tmp_path / "out")
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 25_000}  # a machine of 100 MB
+    monkeypatch.setattr(preflight.os, "sysconf", lambda name: pages[name])
+    with pytest.raises(ConfigError, match="more than this machine's 0.102 GB of memory; the most, 0.3 GB, for rank"):
+        preflight.preflight(cfg, tmp_path / "out")
+
+
+def test_an_output_directory_that_cannot_be_written_is_refused(tmp_path, monkeypatch):
+    check_writable_dir(tmp_path / "new" / "deeper", "--out")  # the nearest existing directory is writable
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []  # and nothing was left there
+    with pytest.raises(ConfigError, match="--out /proc/x/y is not writable: cannot create a file in /proc"):
+        check_writable_dir("/proc/x/y", "--out")  # even root cannot
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match="afile is a file, not a directory"):
+        check_writable_dir(tmp_path / "afile" / "out", "--out")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # another user's directory
+    with pytest.raises(ConfigError, match=r"--out runs/latest is not writable \(relative to the working directory "):
+        check_writable_dir("runs/latest", "--out")
+
+
+@pytest.mark.parametrize(
+    ("environ", "answer"),
+    [
+        ({}, False),
+        ({"RANK": "0", "WORLD_SIZE": "1"}, False),
+        ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}, True),
+        ({"RANK": "0"}, "WORLD_SIZE is missing"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, "RANK is not an integer in 0..1"),
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK is not an integer"),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, "WORLD_SIZE is not a positive integer"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE is not a positive integer"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "29500"}, "MASTER_ADDR is missing"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "99999"}, "MASTER_PORT is not a port"),
+    ],
+)
+def test_stale_torchrun_variables_are_refused_naming_them(environ, answer):
+    from hicache_lab.__main__ import started_by_torchrun
+
+    if isinstance(answer, bool):
+        assert started_by_torchrun(environ) is answer
+    else:
+        with pytest.raises(ConfigError, match=f"{answer}.*unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT"):
+            started_by_torchrun(environ)
+
+
+# -- exhaustive: the work is counted before anything is enumerated ------------------------------------------------
+
+
+def test_exhaustive_timings_are_found_copy_by_copy_as_the_product_found_them():
+    from hicache_lab.lab.check.exhaustive import completion_steps, count_timings, timings
+
+    for copies in range(5):
+        for max_delay in range(5):
+            brute: dict = {}  # the former enumeration: every delay tuple, first one per timing
+            for delays in itertools.product(range(max_delay + 1), repeat=copies):
+                brute.setdefault(completion_steps(delays), delays)
+            assert timings(copies, max_delay) == list(brute.values())
+            assert count_timings(copies, max_delay) == len(brute)
+
+
+@pytest.mark.parametrize(
+    ("stages", "copies", "max_delay", "message"),
+    [
+        (2, 50, 50, "--stages 2 --copies 50 --max-delay 50 asks for at least"),  # 51**50 delays to enumerate
+        (3, 10**9, 1, "stage-steps, at most 150,000"),  # few timings, a billion steps each
+        (2, 1, 10**12, "asks for at least 1e+24 schedules"),
+        (2, 3, -1, "a delay of at least 0 steps"),
+    ],
+)
+def test_exhaustive_refuses_work_past_its_bound_before_enumerating(stages, copies, max_delay, message):
+    from hicache_lab.lab.check.exhaustive import check_work
+
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_work(stages, copies, max_delay, ["fixed", "legacy"])
+    assert time.monotonic() - started < 1
+    assert check_work(2, 3, 3, ["fixed", "legacy"]) == 529 * 2 * 7 * 2  # the README's run stays allowed
