@@ -45,7 +45,7 @@ from ...errors import ConfigError
 from ...parallel_config import SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
 from .hostile.command import add_hostile_flags, cmd_hostile
-from .hostile.judge import processes
+from .hostile.common import forked_ranks
 
 OUTCOMES = ("diverged", "crashed", "hung", "mismatched")
 
@@ -128,11 +128,9 @@ def draw_case(seed: int, index: int, max_ranks: int) -> Case:
 
 
 def rank_pids(launcher: int, ranks: int) -> list[int]:
-    """The rank processes of a launcher, in rank order (spawned in order; one rank runs in the launcher)."""
-    if ranks == 1:
-        return [launcher]
-    children = processes(lambda f: int(f[1]) == launcher)
-    return sorted(pid for pid, command in children.items() if "spawn_main" in command)
+    """The rank processes of a launcher, in rank order (forked in order by its fork server; one rank runs in the
+    launcher)."""
+    return [launcher] if ranks == 1 else forked_ranks(launcher)
 
 
 def _pause(proc: subprocess.Popen, case: Case, done: threading.Event) -> str:

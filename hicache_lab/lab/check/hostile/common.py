@@ -145,10 +145,19 @@ def children(pid: int, word: str = "") -> list[int]:
     return []
 
 
+def forked_ranks(launcher: int) -> list[int]:
+    """The live rank processes of a launcher, first started first: its fork server's children (the server is the
+    launcher's child: launch.rank_processes)."""
+    found = [rank for server in children(launcher, "multiprocessing.forkserver") for rank in children(server)]
+    with contextlib.suppress(OSError):
+        return sorted(found, key=_started)
+    return []
+
+
 def ranks(proc: subprocess.Popen, count: int = 2) -> list[int]:
     """The launcher's (or torchrun's) `count` rank processes, rank 0 first, once there; [] if it ended first."""
     while proc.poll() is None:
-        if len(found := children(proc.pid, "spawn_main") or children(proc.pid, "hicache_lab")) >= count:
+        if len(found := forked_ranks(proc.pid) or children(proc.pid, "hicache_lab")) >= count:
             return found
         time.sleep(0.05)
     return []
