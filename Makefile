@@ -24,8 +24,10 @@ $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 demo: $(STAMP)
 	$(PY) -m hicache_lab demo --out runs/demo
 
+# Two workers (pytest-xdist), each taking a whole file at a time: much of the suite waits on processes and
+# timeouts, not on the cores.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 # The inner loop: every test that runs in this one process and quickly (no spawned ranks, CLI runs, torchrun or
 # notebooks: markers in pyproject.toml, kept honest by tests/conftest.py), every subpackage touched.
