@@ -18,8 +18,6 @@ from hicache_lab.lab.teach.exercise import WORLDS, check
 from hicache_lab.lab.teach.exercise_cli import EXAMPLES, mistakes_table
 from hicache_lab.lab.teach.mistakes import MISTAKES
 
-pytestmark = pytest.mark.spawns
-
 ROOT = Path(__file__).resolve().parents[2]
 TEACHING = ROOT / "teaching"
 PP2, PP3, TP2, CP2, SLOW, L3 = WORLDS
@@ -59,6 +57,7 @@ SHELL = "drops_the_handle"
 IN_PROCESS = [w for w in WRONG if w[1] != SHELL]
 
 
+@pytest.mark.spawns
 @pytest.mark.parametrize(("slot", "name", "world", "kind", "words"), IN_PROCESS, ids=[w[1] for w in IN_PROCESS])
 def test_a_wrong_answer_is_rejected_with_its_cause(tmp_path, slot, name, world, kind, words):
     verdict = check(**{slot: f"{TEACHING / 'mistakes' / slot}.py:{name}"}, out_dir=tmp_path, worlds=(world,))
@@ -83,6 +82,7 @@ def test_the_docs_table_lists_every_kind(tmp_path):
     assert mistakes_table() in docs, "docs/notebooks.md's table is `python -m hicache_lab exercise --table`"
 
 
+@pytest.mark.spawns
 def test_the_solutions_pass_every_world(tmp_path):
     solutions = TEACHING / "solutions"
     verdict = check(
@@ -130,6 +130,7 @@ OTHER_ANSWERS = textwrap.dedent(
 )
 
 
+@pytest.mark.spawns
 def test_other_right_answers_pass_from_a_script_without_a_main_guard(tmp_path):
     """Functions given as themselves, from a script that calls check() at its top level: the ranks import it,
     and the check must neither run again there nor blame the functions. On the worlds where these answers part
@@ -143,6 +144,7 @@ def test_other_right_answers_pass_from_a_script_without_a_main_guard(tmp_path):
     assert re.findall(r"^(.*): ok$", result.stdout, re.M) == [world.name for world in (PP3, CP2)]
 
 
+@pytest.mark.spawns
 def test_the_stubs_fail_with_what_to_write(tmp_path):
     stub = tmp_path / "stub.py"
     stub.write_text('def pp_sync(self, data):\n    raise NotImplementedError("write pp_sync: relay data down")\n')
@@ -151,6 +153,7 @@ def test_the_stubs_fail_with_what_to_write(tmp_path):
     assert "not written yet: write pp_sync: relay data down" in str(verdict)
 
 
+@pytest.mark.spawns
 def test_the_shell_command_works_from_the_repository_root(tmp_path):
     """`python -m hicache_lab exercise` on the wrong answer SHELL, every world in turn: the first shows its mistake
     and stops the check, so this is that answer's run, and its verdict is checked as the in-process ones are."""
