@@ -16,6 +16,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
+CACHE_IMPLS = ("lab", "sglang")  # `--cache-impl`: whose cache every rank runs
 # Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
 STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -222,8 +223,10 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_outputs: bool = False
     record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (lab/sglang/recording.py) for `conform`
+    cache_impl: str = "lab"  # every rank's cache: the lab's, or sglang 0.5.23's own (lab/sglang/rank_cache.py)
 
     def __post_init__(self) -> None:
+        require_choice(self.cache_impl, CACHE_IMPLS, "--cache-impl")
         longest, w = self.workload.longest_sequence(), self.workload
         if w.trace_file:  # name the longest line, before a rank draws its tokens
             number, tokens = max(w._trace_lengths(), key=lambda line: line[1])

@@ -11,6 +11,7 @@ import math
 import operator
 
 from ..config import (
+    CACHE_IMPLS,
     DTYPES,
     HOST_LAYOUTS,
     LATENCY_MODELS,
@@ -196,6 +197,17 @@ SWITCHES = [
         "record_cache_ops",
         bool,
         _switch("write every cache operation and its answer to DIR/rank{R}.cache_ops.jsonl, for `conform DIR`"),
+    ),
+    (
+        "--cache-impl",
+        "cache_impl",
+        str,
+        {
+            "default": "lab",
+            "choices": CACHE_IMPLS,
+            "help": "every rank's cache: the lab's, or sglang 0.5.23's own, with its own cross-rank agreement "
+            "(needs sglang: make installs it; --sync legacy reverts its PP and CP fixes)",
+        },
     ),
     ("--skip-load-wait", "cache.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),
     ("--fault", "parallel.fault", str, {"default": "", "metavar": "KIND:RANK@N", "help": FAULT_HELP}),

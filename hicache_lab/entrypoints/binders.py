@@ -9,6 +9,8 @@ What a binder does, in order:
 
 * `check(cfg)` - in the launcher, before any rank starts: what only it can check (a `--sync-impl` that does
   not import);
+* `build_cache(cfg, sync, kv, storage_dir)` - in each rank, before the core builds its cache: another cache
+  and the device pool it manages (`--cache-impl sglang`: SGLang's own), or None (the core builds the lab's);
 * `wrap_cache(cfg, cache, out_dir, rank)` - in each rank: what the scheduler asks instead of the cache (a
   recorder in front of it), or the cache itself;
 * `bind(cfg, parts, out_dir)` - in each rank, once its parts are built: it binds into them (instance attributes
@@ -30,9 +32,16 @@ from ..distributed.cache_sync import CacheSync
 from ..errors import ConfigError
 from ..managers.scheduler_pp import StageLoop
 from ..mem_cache.base import BasePrefixCache
+from ..mem_cache.build import KVShape
 from .args import FIELD_FLAGS
 
-LAB_FIELDS = ("parallel.fault", "cache.skip_load_wait", "parallel.sync_impls", "record_cache_ops")  # lab only
+LAB_FIELDS = (  # lab only
+    "parallel.fault",
+    "cache.skip_load_wait",
+    "parallel.sync_impls",
+    "record_cache_ops",
+    "cache_impl",
+)
 
 
 @dataclass
@@ -52,6 +61,10 @@ class Binder:
 
     def check(self, cfg: RunConfig) -> None:
         """Before any rank starts; raises ConfigError."""
+
+    def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path) -> tuple | None:
+        """(device pool, cache) for the rank, or None."""
+        return None
 
     def wrap_cache(self, cfg: RunConfig, cache: BasePrefixCache, out_dir: Path, rank: int) -> BasePrefixCache:
         return cache

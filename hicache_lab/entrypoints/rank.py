@@ -82,10 +82,13 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
     )
     sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
     kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device, model.dtype)
-    backend = None
-    if c.storage_backend != "none":
-        backend = build_storage(cfg, sync, layers, kv, Path(c.storage_dir or out_dir / "storage"))
-    pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
+    storage_dir = Path(c.storage_dir or out_dir / "storage")
+    built = next(filter(None, (binder.build_cache(cfg, sync, kv, storage_dir) for binder in binders)), None)
+    if built is not None:
+        pool, cache = built
+    else:
+        backend = build_storage(cfg, sync, layers, kv, storage_dir) if c.storage_backend != "none" else None
+        pool, cache = build_cache(c, kv, sync, backend=backend, check_copies=cfg.check_outputs, seed=cfg.workload.seed)
     asked = cache
     for binder in binders:
         asked = binder.wrap_cache(cfg, asked, out_dir, layout.rank)

@@ -1,4 +1,5 @@
-"""What the lab binds into a run (entrypoints/binders.py): `--sync-impl`, the faults, the cache-op recorder.
+"""What the lab binds into a run (entrypoints/binders.py): `--cache-impl sglang`, `--sync-impl`, the faults, the
+cache-op recorder.
 `python -m hicache_lab run` passes them all; so does `run` here, for the lab's own tools and tests."""
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from ..config import RunConfig
 from ..entrypoints import launch
 from ..entrypoints.binders import Binder
 from .check.faults import FAULTS
+from .sglang.binder import SGLANG_CACHE
 from .sglang.recording import RECORDING
 from .teach.sync_impl import SYNC_IMPLS
 
-LAB: tuple[Binder, ...] = (SYNC_IMPLS, FAULTS, RECORDING)  # in the order they bind
+LAB: tuple[Binder, ...] = (SGLANG_CACHE, SYNC_IMPLS, FAULTS, RECORDING)  # in the order they bind
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, more: tuple[Binder, ...] = ()) -> dict:

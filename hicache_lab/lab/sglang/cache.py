@@ -29,6 +29,7 @@ import torch
 
 from ...config import CacheConfig
 from ...errors import PoolExhaustedError
+from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import CopyJob
 from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
@@ -46,7 +47,7 @@ class SGLangMatch(NamedTuple):
 
 
 @functools.cache
-def _sglang():
+def sglang_modules():
     """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
     prepare_imports()
     with quiet_imports():
@@ -81,11 +82,14 @@ def _sglang():
 
 class SGLangCache:
     """One rank's SGLang cache on CPU, sized like the lab's: `cfg.max_total_tokens` device slots, and with
-    `cfg.enable_hierarchical_cache` a host pool of exactly `host_tokens` slots."""
+    `cfg.enable_hierarchical_cache` a host pool of exactly `host_tokens` slots. Its device pool holds `shape`
+    (default: 2 layers of one head of 2 dimensions, the conformance replay's). `world` places it in a lab world
+    (world.py: the rank's process groups, its stage, its storage backend); without one it is a world of one."""
 
-    def __init__(self, cfg: CacheConfig, host_tokens: int, clock, num_layers: int = 2):
-        sg = self.sg = _sglang()
+    def __init__(self, cfg: CacheConfig, host_tokens: int, clock, shape: KVShape | None = None, world=None):
+        sg = self.sg = sglang_modules()
         self.cfg, self.clock = cfg, clock
+        shape = shape or KVShape(num_layers=2, num_heads=1, head_dim=2)
         ps, size = cfg.page_size, cfg.max_total_tokens
         hierarchical = cfg.enable_hierarchical_cache
         # SGLang sizes its host pool as int(device tokens * ratio) // page + 1 pages: the ratio that gives the lab's.
@@ -100,28 +104,32 @@ class SGLangCache:
             hicache_write_policy=cfg.write_policy,
             hicache_ratio=ratio + 1e-9,
             hicache_size=0,
+            **(world.server_args() if world is not None else {}),
         )
         sg.publish(server_args)
-        kv = sg.MHATokenToKVPool(
+        if world is not None:
+            world.publish()
+        self.kv = sg.MHATokenToKVPool(
             size,
             ps,
-            torch.float32,
-            head_num=1,
-            head_dim=2,
-            layer_num=num_layers,
+            shape.dtype,
+            head_num=shape.num_heads,
+            head_dim=shape.head_dim,
+            layer_num=shape.num_layers,
             device="cpu",
             enable_memory_saver=False,
         )
         if ps == 1:
-            self.allocator = sg.TokenAllocator(size, torch.float32, "cpu", kv, need_sort=False)
+            self.allocator = sg.TokenAllocator(size, shape.dtype, "cpu", self.kv, need_sort=False)
         else:
-            self.allocator = sg.PagedAllocator(size, ps, torch.float32, "cpu", kv, need_sort=False)
+            self.allocator = sg.PagedAllocator(size, ps, shape.dtype, "cpu", self.kv, need_sort=False)
         params = sg.CacheInitParams(
             disable=False,
             req_to_token_pool=sg.ReqToTokenPool(8, 8, "cpu", False),
             token_to_kv_pool_allocator=self.allocator,
             page_size=ps,
             tree_components=(sg.FULL,),
+            **(world.cache_params() if world is not None else {}),
         )
         self.cache = sg.UnifiedRadixCache(params)
         self.controller = None

@@ -1,0 +1,156 @@
+"""The seed's bugs put back into sglang 0.5.23's own objects: `run --cache-impl sglang --sync legacy`.
+
+Each `Revert` replaces one function of SGLang's, at runtime, with the lab's own version of what SGLang's code did
+before the PR that fixed it (the lab writes these; nothing of SGLang's is copied). It names the function it
+replaces and the PR whose lines it undoes, and refuses (RuntimeError) where the function no longer holds the
+lines it undoes: an upgraded sglang fails here, loudly, instead of reverting something else.
+
+A revert belongs to one of the lab's sync fixes (parallel_config.SYNC_FIXES): it is applied when that fix is off
+(`--sync legacy` turns them all off; `--disable-fix NAME` one). The fixes that 0.5.23 has no site for are
+named in `NO_SGLANG_SITE`: with SGLang's cache they are what 0.5.23 does, on or off.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MIN = dist.ReduceOp.MIN
+
+
+def _attn_tp_only(self, tensor: torch.Tensor, op) -> None:
+    """Before #20460: the attention-TP group only; CP peers never agree."""
+    group = self.attn_tp_group
+    if group is not None and dist.get_world_size(group=group) > 1:
+        dist.all_reduce(tensor, op=op, group=group)
+
+
+def _each_stage_alone(self, data: torch.Tensor, tp_reduce_op) -> None:
+    """Before #27285: every stage agrees with its own attention peers; nothing is relayed down the pipeline."""
+    self._all_reduce_attn_groups(data, tp_reduce_op)
+
+
+def _every_stage_polls(self):
+    """Before #27285/#27010: every stage counts its own finished acks (no PP-rank-0 count to relay); before the
+    load-ack agreement, load acks are each rank's own."""
+    cc = self.cache_controller
+    names = tuple(getattr(cc, "extra_host_mem_release_queues", {})) if self.enable_storage else ()
+    queues = (
+        (cc.prefetch_hit_queue, cc.ack_prefetch_queue, cc.ack_backup_queue, cc.host_mem_release_queue)
+        if self.enable_storage
+        else ()
+    )
+    sizes = [q.qsize() for q in queues] + [cc.extra_host_mem_release_queues[n].qsize() for n in names]
+    counts = torch.tensor([self._count_ready_acks(cc.ack_write_queue), *sizes], dtype=torch.int64)
+    self._all_reduce(counts, MIN)
+    load_acks = self._count_ready_acks(cc.ack_load_queue)
+    values = list(map(int, counts.tolist()))
+    return values[0], load_acks, tuple(values[1:]), names
+
+
+def _prefetch_groups_tp_only(self):
+    """Before #20460/#27010: the storage threads agree over the TP group of their stage alone."""
+    from sglang.srt.distributed.parallel_state import create_custom_parallel_group
+
+    group = self.attn_tp_group if self.attn_tp_group is not None else self.tp_group
+    if group is None or dist.get_world_size(group=group) == 1:
+        return []
+    return [create_custom_parallel_group(group_ranks=list(dist.get_process_group_ranks(group)), backend="gloo")]
+
+
+@dataclass(frozen=True)
+class Revert:
+    fix: str  # the lab's sync fix whose absence this is
+    module: str
+    owner: str  # the class
+    name: str  # the function replaced
+    pr: str  # the PR whose lines it undoes
+    holds: tuple[str, ...]  # lines of 0.5.23's function that the revert undoes: they must be there
+    replacement: Callable
+
+    @property
+    def where(self) -> str:
+        return f"{self.owner}.{self.name}"
+
+    def target(self):
+        owner = getattr(importlib.import_module(self.module), self.owner)
+        function = owner.__dict__.get(self.name)
+        source = inspect.getsource(function) if function is not None else ""
+        moved = [line for line in self.holds if line not in source]
+        if moved:
+            raise RuntimeError(
+                f"sglang's {self.where} no longer holds {moved}: the revert of {self.pr} follows sglang 0.5.23 "
+                "(lab/sglang/reverts.py)"
+            )
+        return owner, function
+
+
+URC, CC = "sglang.srt.mem_cache.unified_radix_cache", "sglang.srt.managers.cache_controller"
+REVERTS = (
+    Revert(
+        "cp_groups",
+        URC,
+        "UnifiedRadixCache",
+        "_all_reduce_attn_groups",
+        "#20460",
+        ("for group in (self.attn_cp_group, self.attn_tp_group):",),
+        _attn_tp_only,
+    ),
+    Revert(
+        "pp_relay",
+        URC,
+        "UnifiedRadixCache",
+        "_all_reduce",
+        "#27285",
+        ("if self.pp_rank == 0:", "self._pp_sync(data)"),
+        _each_stage_alone,
+    ),
+    Revert(
+        "pp_relay",
+        URC,
+        "UnifiedRadixCache",
+        "_sync_hicache_ready_counts",
+        "#27285, #27010",
+        ("self.pp_rank > 0",),
+        _every_stage_polls,
+    ),
+    Revert(
+        "prefetch_groups",
+        CC,
+        "HiCacheController",
+        "_create_sync_groups",
+        "#20460, #27010",
+        ("base_groups = [self.attn_cp_group, self.attn_tp_group]", "base_groups.append(self.pp_group)"),
+        _prefetch_groups_tp_only,
+    ),
+)
+# Lab fixes with no site in 0.5.23 to revert: SGLang's cache does what 0.5.23 does whatever they are.
+NO_SGLANG_SITE = (
+    "agree_loads",  # 0.5.23 agrees load acks in the same tensor as write acks: reverted with pp_relay
+    "host_capacity_min",
+    "bounded_drain",
+    "storage_keys",
+    "multi_hop_relay",
+    "always_agree",
+    "alloc_agreement",
+    "prefetch_vote",
+    "prefetch_completion",
+)
+
+
+def reverts_for(fixes: frozenset[str]) -> list[Revert]:
+    """The reverts a run with `fixes` on applies: those of every fix that is off."""
+    return [r for r in REVERTS if r.fix not in fixes]
+
+
+def apply(reverts: list[Revert]) -> list[str]:
+    """Replace each function in this process (a rank's own), checked first; what was replaced, for the summary."""
+    targets = [(revert, *revert.target()) for revert in reverts]
+    for revert, owner, _ in targets:
+        setattr(owner, revert.name, revert.replacement)
+    return [f"{revert.where} ({revert.pr} undone)" for revert in reverts]
