@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch.distributed as dist
+
 from ...config import RunConfig
 from ...distributed.cache_sync import CacheSync
 from ...entrypoints.binders import Binder
@@ -68,6 +70,10 @@ class SGLangCacheBinder(Binder):
             c.latency, kv.device, c.max_copy_delay_steps, c.injected_delay_ms, seed=cfg.workload.seed, rank=layout.rank
         )
         cache = SGLangRankCache(c, c.host_tokens(kv.bytes_per_token), clock, kv, world)
+        if c.storage_backend != "none" and not c.storage_dir:
+            if layout.rank == 0:
+                cache.controller.storage_backend.clear()  # a run-local store starts empty, as the lab's
+            dist.barrier()  # before any rank writes to it
         return cache.pool, cache
 
     def bind(self, cfg: RunConfig, parts, out_dir: Path):

@@ -6,10 +6,11 @@ stands in for something of SGLang's environment. Nothing of SGLang's is copied; 
   against CUDA torch and do not load beside the CPU one, and nothing on the cache path uses them. So where no
   real torchvision imports, `torchvision` and its submodules are served by placeholders: any attribute is an
   inert stand-in.
-* Three functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang/cache.py):
-  host memory is pinned with cudaHostRegister (here it stays pageable), `transfer_kv_direct` is an sgl_kernel
-  op imported only on CUDA/ROCm (here a copy per layer), and `torch.cpu.Stream` has no `synchronize` (reached
-  only on an error path, where its absence would hide the real exception). Each replacement fails loudly if
+* Four functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang/cache.py):
+  host memory is pinned with cudaHostRegister (here it stays pageable), the storage read's scratch page is
+  pinned too (`MHATokenToKVPoolHost.get_dummy_flat_data_page`: here pageable), `transfer_kv_direct` is an
+  sgl_kernel op imported only on CUDA/ROCm (here a copy per layer), and `torch.cpu.Stream` has no
+  `synchronize` (reached only on an error path, where its absence would hide the real exception). Each replacement fails loudly if
   the name it replaces has moved: an upgrade of sglang breaks here, visibly.
 
 The Makefile installs sglang itself with `--no-deps` (its own requirements pin a CUDA torch) and its pure-Python
@@ -111,6 +112,13 @@ def _unpinned_alloc(dims, dtype, device, pin_memory, allocator, registration_gra
     return torch.zeros(dims, dtype=dtype, device=device)
 
 
+def _unpinned_dummy_page(self) -> torch.Tensor:
+    """`MHATokenToKVPoolHost.get_dummy_flat_data_page`: the page a storage read fills for a page it does not
+    keep, pinned there; here pageable (torch pins only beside an accelerator)."""
+    shape = (2, self.layer_num, self.page_size, self.head_num, self.head_dim)
+    return torch.zeros(shape, dtype=self.dtype, device=self.device).flatten()
+
+
 def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size):
     """`pool_host.mha.transfer_kv_direct` (an sgl_kernel op imported only on CUDA/ROCm): a copy per layer."""
     for src, dst in zip(src_layers, dst_layers, strict=True):
@@ -132,6 +140,10 @@ def install_cpu_replacements() -> None:
         for name, present in (
             ("pool_host.common.ALLOC_MEMORY_FUNCS", hasattr(common, "ALLOC_MEMORY_FUNCS")),
             ("pool_host.mha.MHATokenToKVPoolHost", hasattr(mha, "MHATokenToKVPoolHost")),
+            (
+                "MHATokenToKVPoolHost.get_dummy_flat_data_page",
+                hasattr(getattr(mha, "MHATokenToKVPoolHost", None), "get_dummy_flat_data_page"),
+            ),
             ("torch.cpu.Stream", hasattr(torch.cpu, "Stream")),
         )
         if not present
@@ -139,6 +151,7 @@ def install_cpu_replacements() -> None:
     if missing:
         raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang/cpu.py follows {SGLANG_VERSION}")
     common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
+    mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = _unpinned_dummy_page
     mha.transfer_kv_direct = _transfer_kv_direct  # a module global only where CUDA imported it
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = _no_stream_to_wait_for

@@ -15,6 +15,7 @@ the PP and CP fixes.
 from __future__ import annotations
 
 import hashlib
+from array import array
 
 import torch
 
@@ -77,7 +78,7 @@ class SGLangRankCache(SGLangCache):
         cache.prefetch_from_storage(
             handle,
             anchor,
-            list(prompt[held:end]),
+            array("q", prompt[held:end]),
             cache.get_last_hash_value(anchor),
             None,
             matched_prefix_tokens=list(prompt[:held]),
@@ -95,6 +96,9 @@ class SGLangRankCache(SGLangCache):
         self.cache.finish_storage_prefetch_admission(handle, fulfilled_tokens=loaded, reason=None)
         del self.handles[rid]
         return loaded
+
+    def copies_in_flight(self) -> bool:
+        return super().copies_in_flight() or bool(self.cache.ongoing_prefetch if self.controller else False)
 
     def waits_on_storage(self) -> bool:
         return bool(self.handles) or bool(self.controller is not None and self.cache.enable_storage and self._busy())

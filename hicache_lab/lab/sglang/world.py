@@ -49,8 +49,17 @@ class SGLangWorld:
         """What SGLang's launcher records for the process: its storage keys are named by these ranks."""
         from sglang.srt.runtime_context import get_parallel
 
+        attn_tp = self.tp_size // self.cp_size
         get_parallel().override_permanently(
-            tp_rank=self.tp_rank, tp_size=self.tp_size, pp_rank=self.pp_rank, pp_size=self.pp_size
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            attn_tp_rank=self.tp_rank % attn_tp,
+            attn_tp_size=attn_tp,
+            attn_cp_rank=self.cp_rank,
+            attn_cp_size=self.cp_size,
+            moe_tp_size=self.tp_size,
         )
 
 
