@@ -1,5 +1,5 @@
 """Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
-`soak`, `zoo`, `exhaustive`, `conform`, `exercise`)."""
+`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from .lab.figures.against_sglang import compare_with_sglang
 from .lab.figures.hit_rates import plot_hit_rates
 from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
+from .lab.sglang.compare import add_compare_flags, cmd_compare
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
 from .lab.sglang.source import read_bench_multiturn
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
@@ -166,6 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_conform_flags(conform_parser)
     conform_parser.set_defaults(func=cmd_conform)
+    compare_parser = commands.add_parser(
+        "compare",
+        help="run one world with the lab's cache and with SGLang 0.5.23's own, and compare them rank by rank",
+        description=cmd_compare.__doc__,
+    )
+    add_compare_flags(compare_parser)
+    compare_parser.set_defaults(func=cmd_compare)
     exercise_parser = commands.add_parser(
         "exercise", help="check your own pp_sync / writing_check / attn_groups on several worlds (notebook 06)"
     )

@@ -1,0 +1,212 @@
+"""`python -m hicache_lab compare [run flags]`: one world and workload, run with the lab's cache and with sglang
+0.5.23's own (`--cache-impl sglang`, rank_cache.py), compared rank by rank and step by step.
+
+Compared, in causal order: per step and rank, the acks each rank consumed per queue (the agreed counts), the
+batch it ran (its requests, new tokens and cached prefix), and whether and where it crashed; per rank, the
+storage prefetches issued, declined for the rate limit, revoked, and the tokens they brought; per round, the
+hit tokens by tier. The first difference is reported (step, rank, quantity, both values); where the world has a
+difference the lab keeps on purpose, it is reported under its row of docs/fidelity.md (`KEPT`), never hidden.
+Exit 0: equal; 1: different; 2: cannot compare (a world SGLang's cache refuses, or no sglang).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...config import RunConfig
+from ...managers.step_trace import read_trace
+from ..binders import run
+from ..check.mutants import MUTANTS, Mutant
+
+STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens")
+ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
+# (quantity of the lab's storage summary, SGLang's prefetch counters it sums)
+PREFETCH_QUANTITIES = (
+    ("prefetches", ("issued",)),
+    ("rate_limited", ("declined_rate_limited",)),
+    ("revoked", ("revoked_insufficient", "revoked_full_miss")),
+)
+# Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies, why)
+KEPT = (
+    (
+        "V1",
+        lambda cfg: cfg.cache.latency == "real",
+        "real latency: each run's copies finish at its own machine's times, so steps are not comparable; only "
+        "completion and outputs are",
+    ),
+    (
+        "V2",
+        lambda cfg: cfg.cache.storage_backend != "none",
+        "L3 timing: SGLang's storage threads read and write files on the wall clock (and its `timeout` policy "
+        "waits in seconds), the lab's storage tier completes by steps under virtual latency",
+    ),
+)
+
+
+@dataclass
+class Difference:
+    where: str  # "step 12, rank 1" / "rank 0" / "round 3"
+    quantity: str
+    lab: object
+    sglang: object
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.quantity}: lab {self.lab}, SGLang {self.sglang}"
+
+
+def _with_impl(cfg: RunConfig, impl: str) -> RunConfig:
+    """`cfg` for one side, outputs checked; SGLang's side agrees with its own code (no `--sync-impl`)."""
+    if impl == "sglang":
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=()))
+    return dataclasses.replace(cfg, cache_impl=impl, check_outputs=True)
+
+
+def _by_step(out: Path) -> dict[tuple[int, int], dict]:
+    return {(row["step"], row["rank"]): row for row in read_trace(out)}
+
+
+def _ranks(out: Path) -> dict[int, dict]:
+    results = {}
+    for path in sorted(out.glob("rank*.json")):
+        result = json.loads(path.read_text())
+        results[result["rank"]] = result
+    return results
+
+
+def step_differences(lab: Path, sglang: Path) -> list[Difference]:
+    """Every (step, rank) at which the two runs' traces differ, first quantity only, in step order; a step one
+    run reached and the other did not is a difference too."""
+    a, b = _by_step(lab), _by_step(sglang)
+    found = []
+    for step, rank in sorted(set(a) | set(b)):
+        left, right = a.get((step, rank)), b.get((step, rank))
+        where = f"step {step}, rank {rank}"
+        if left is None or right is None:
+            found.append(Difference(where, "step reached", left is not None, right is not None))
+            continue
+        for quantity in STEP_QUANTITIES:
+            if left[quantity] != right[quantity]:
+                found.append(Difference(where, quantity, left[quantity], right[quantity]))
+                break
+    return found
+
+
+def rank_differences(lab: Path, sglang: Path) -> list[Difference]:
+    """Per rank: how it ended, and its storage prefetch counts."""
+    found = []
+    a, b = _ranks(lab), _ranks(sglang)
+    for rank in sorted(set(a) | set(b)):
+        left, right = a.get(rank, {}), b.get(rank, {})
+        where = f"rank {rank}"
+        for key in ("completed", "crashed"):
+            if left.get(key) != right.get(key):
+                found.append(Difference(where, key, left.get(key), right.get(key)))
+        storage, stats = left.get("storage"), right.get("sglang", {}).get("prefetch")
+        if storage is None or stats is None:
+            continue
+        for ours, theirs in PREFETCH_QUANTITIES:
+            value = sum(stats.get(name, 0) for name in theirs)
+            if storage.get(ours) != value:
+                found.append(Difference(where, f"prefetch {ours}", storage.get(ours), value))
+    return found
+
+
+def round_differences(lab: dict, sglang: dict) -> list[Difference]:
+    found = []
+    for left, right in zip(lab["rounds"], sglang["rounds"], strict=False):
+        for quantity in ROUND_QUANTITIES:
+            if left[quantity] != right[quantity]:
+                found.append(Difference(f"round {left['round']}", quantity, left[quantity], right[quantity]))
+    if len(lab["rounds"]) != len(sglang["rounds"]):
+        found.append(Difference("rounds", "rounds answered", len(lab["rounds"]), len(sglang["rounds"])))
+    return found
+
+
+@dataclass
+class Comparison:
+    summaries: dict[str, dict]
+    differences: list[Difference]
+    kept: list[tuple[str, str]]  # the fidelity rows this world has: (row, why)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+
+def compare(cfg: RunConfig, out: Path, verbose: bool = False, lab_binders: tuple = ()) -> Comparison:
+    """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared; `lab_binders` bind into the lab's run only
+    (a deliberate change: lab/check/mutants.py)."""
+    summaries = {
+        impl: run(_with_impl(cfg, impl), out / impl, verbose=verbose, more=lab_binders if impl == "lab" else ())
+        for impl in ("lab", "sglang")
+    }
+    differences = (
+        step_differences(out / "lab", out / "sglang")
+        + rank_differences(out / "lab", out / "sglang")
+        + round_differences(summaries["lab"], summaries["sglang"])
+    )
+    outputs = [summaries[impl]["outputs_match_reference"] for impl in ("lab", "sglang")]
+    if outputs[0] != outputs[1]:
+        differences.append(Difference("run", "outputs_match_reference", *outputs))
+    kept = [(row, why) for row, applies, why in KEPT if applies(cfg)]
+    return Comparison(summaries, differences, kept)
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def format_rounds(summaries: dict[str, dict]) -> str:
+    """Hit tokens per round and tier, the lab's beside SGLang's."""
+    lines = [f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
+             f"{'host':>6} {'storage':>7}"]
+    for left, right in zip(summaries["lab"]["rounds"], summaries["sglang"]["rounds"], strict=False):
+        cells = [f"{r['cached_device']:>6} {r['cached_host']:>6} {r['cached_storage']:>7}" for r in (left, right)]
+        lines.append(f"{left['round']:>5} {left['prompt_tokens']:>7}   {cells[0]:>25}   {cells[1]:>28}")
+    return "\n".join(lines)
+
+
+def add_compare_flags(parser) -> None:
+    from ...entrypoints.args import add_run_flags
+
+    add_run_flags(parser)
+    parser.add_argument("--out", default="runs/compare", help="where both runs go: OUT/lab, OUT/sglang")
+    parser.add_argument("--show", type=int, default=5, help="differences to print (default 5)")
+    parser.add_argument(
+        "--mutant",
+        choices=MUTANTS,
+        help="a deliberate change to the lab's agreement, in the lab's run only: compare must catch it "
+        "(lab/check/mutants.py)",
+    )
+
+
+def cmd_compare(args) -> int:
+    """Run one world and workload with the lab's cache and with sglang 0.5.23's own (`--cache-impl sglang`),
+    and compare them step by step and rank by rank: acks consumed per queue, batches, crashes, storage
+    prefetches, per-round hit tokens by tier. Exit 0 equal, 1 different (the first difference first, and each
+    difference the lab keeps on purpose under its docs/fidelity.md row), 2 cannot compare."""
+    from ...entrypoints.args import config_from_args
+    from ...errors import ConfigError
+    from .binder import SGLANG_CACHE
+
+    cfg = config_from_args(args)
+    if cfg.cache_impl != "lab":
+        raise ConfigError("compare runs both caches itself: drop --cache-impl")
+    SGLANG_CACHE.check(_with_impl(cfg, "sglang"))  # refused before either run starts
+    result = compare(cfg, Path(args.out), lab_binders=(Mutant(args.mutant),) if args.mutant else ())
+    print(format_rounds(result.summaries))
+    for impl, label in (("lab", "lab"), ("sglang", "SGLang")):
+        s = result.summaries[impl]
+        ending = "completed" if s["completed"] else f"crashed: {s['error']}" if s["crashed"] else "stopped"
+        print(f"{label}: {ending}; outputs match reference: {s['outputs_match_reference']}")
+    if result.equal:
+        print(f"equal: {len(_by_step(Path(args.out) / 'lab'))} rank-steps, every rank's ending, prefetches, rounds")
+        return 0
+    print(f"{len(result.differences)} differences; the first {min(args.show, len(result.differences))}:")
+    for difference in result.differences[: args.show]:
+        print(f"  {difference}")
+    for row, why in result.kept:
+        print(f"kept on purpose in this world (docs/fidelity.md, {row}): {why}")
+    return 1
