@@ -59,17 +59,17 @@ class SGLangCacheBinder(Binder):
     def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path):
         if cfg.cache_impl != "sglang":
             return None
-        from .cache import sglang_modules
-        from .rank_cache import SGLangRankCache
+        from .rank_cache import SGLangRankCache  # imports sglang: only in a rank that runs it
 
-        sglang_modules()  # imported here, in a rank that runs it, before the reverts replace what they import
         c, layout = cfg.cache, sync.groups.layout
         world = sglang_world(cfg, sync.groups, storage_dir)
-        self.replaced = reverts.apply(reverts.reverts_for(cfg.parallel.fixes))
         clock = make_copy_engine(
             c.latency, kv.device, c.max_copy_delay_steps, c.injected_delay_ms, seed=cfg.workload.seed, rank=layout.rank
         )
-        cache = SGLangRankCache(c, c.host_tokens(kv.bytes_per_token), clock, kv, world)
+        undone = reverts.reverts_for(cfg.parallel.fixes)
+        with reverts.applied(undone, lambda: {"UnifiedRadixCache": cache.cache, "HiCacheController": cache.controller}):
+            cache = SGLangRankCache(c, c.host_tokens(kv.bytes_per_token), clock, kv, world)
+        self.replaced = reverts.described(undone)
         if c.storage_backend != "none" and not c.storage_dir:
             if layout.rank == 0:
                 cache.controller.storage_backend.clear()  # a run-local store starts empty, as the lab's
@@ -79,8 +79,24 @@ class SGLangCacheBinder(Binder):
     def bind(self, cfg: RunConfig, parts, out_dir: Path):
         if cfg.cache_impl != "sglang":
             return None
+        observe_relay(parts.sync, parts.cache.cache)
         replaced = self.replaced
         return lambda: {"cache_impl": "sglang", "sglang_reverts": replaced}
+
+
+def observe_relay(sync: CacheSync, sglang) -> None:
+    """The step trace counts relay sends through the lab's `CacheSync` (StageLoop reads `work_list` and
+    `relay_sends_issued`): point them at SGLang's own. Its `work_list` becomes the same list (SGLang drains it in
+    place), and each of its `_pp_sync` calls adds the sends it issued. Observation only: nothing is decided here."""
+    sync.work_list = sglang.work_list
+    relay = sglang._pp_sync
+
+    def counted(data):
+        before = len(sglang.work_list)
+        relay(data)
+        sync.relay_sends_issued += len(sglang.work_list) - before
+
+    sglang._pp_sync = counted
 
 
 SGLANG_CACHE = SGLangCacheBinder()

@@ -100,7 +100,9 @@ class SGLangCache:
             page_size=ps,
             enable_hierarchical_cache=hierarchical,
             hicache_io_backend="direct",
-            hicache_mem_layout="layer_first",
+            # with the direct io backend SGLang turns page_first into page_first_direct (its
+            # resolve_layout_io_compatibility); the ServerArgs built here are not resolved, so it is done here
+            hicache_mem_layout="page_first_direct" if cfg.host_layout == "page_first" else cfg.host_layout,
             hicache_write_policy=cfg.write_policy,
             hicache_ratio=ratio + 1e-9,
             hicache_size=0,

@@ -175,6 +175,12 @@ def add_compare_flags(parser) -> None:
     parser.add_argument("--out", default="runs/compare", help="where both runs go: OUT/lab, OUT/sglang")
     parser.add_argument("--show", type=int, default=5, help="differences to print (default 5)")
     parser.add_argument(
+        "--worlds",
+        action="store_true",
+        help="compare over the lab's list of worlds instead (lab/sglang/compare_worlds.py; its own workload): a "
+        "table, also written to OUT/worlds.md",
+    )
+    parser.add_argument(
         "--mutant",
         choices=MUTANTS,
         help="a deliberate change to the lab's agreement, in the lab's run only: compare must catch it "
@@ -191,6 +197,14 @@ def cmd_compare(args) -> int:
     from ...errors import ConfigError
     from .binder import SGLANG_CACHE
 
+    if args.worlds:
+        from .compare_worlds import format_worlds, run_worlds
+
+        rows = run_worlds(Path(args.out))
+        table = format_worlds(rows)
+        (Path(args.out) / "worlds.md").write_text(table + "\n")
+        print(table)
+        return 0 if all(r["verdict"] == "equal" or r["kept"] for r in rows) else 1
     cfg = config_from_args(args)
     if cfg.cache_impl != "lab":
         raise ConfigError("compare runs both caches itself: drop --cache-impl")

@@ -6,11 +6,13 @@ stands in for something of SGLang's environment. Nothing of SGLang's is copied; 
   against CUDA torch and do not load beside the CPU one, and nothing on the cache path uses them. So where no
   real torchvision imports, `torchvision` and its submodules are served by placeholders: any attribute is an
   inert stand-in.
-* Four functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang/cache.py):
+* Six functions of SGLang's host tier that need CUDA (`install_cpu_replacements`, for lab/sglang/cache.py):
   host memory is pinned with cudaHostRegister (here it stays pageable), the storage read's scratch page is
-  pinned too (`MHATokenToKVPoolHost.get_dummy_flat_data_page`: here pageable), `transfer_kv_direct` is an
-  sgl_kernel op imported only on CUDA/ROCm (here a copy per layer), and `torch.cpu.Stream` has no
-  `synchronize` (reached only on an error path, where its absence would hide the real exception). Each replacement fails loudly if
+  pinned too (`MHATokenToKVPoolHost.get_dummy_flat_data_page`: here pageable), the direct io backend's three
+  copy kernels are sgl_kernel ops imported only on CUDA/ROCm (`transfer_kv_direct` for `layer_first`, and for
+  `page_first_direct` `transfer_kv_all_layer_direct_lf_pf` and `transfer_kv_per_layer_direct_pf_lf`: here
+  indexed copies), and `torch.cpu.Stream` has no `synchronize` (reached only on an error path, where its
+  absence would hide the real exception). Only bytes move in them: no decision of SGLang's is replaced. Each replacement fails loudly if
   the name it replaces has moved: an upgrade of sglang breaks here, visibly.
 
 The Makefile installs sglang itself with `--no-deps` (its own requirements pin a CUDA torch) and its pure-Python
@@ -104,7 +106,7 @@ def quiet_imports():
         yield
 
 
-# -- the three functions of SGLang's host tier that need CUDA, replaced for CPU --------------------------
+# -- the six functions of SGLang's host tier that need CUDA, replaced for CPU --------------------------
 
 
 def _unpinned_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
@@ -123,6 +125,24 @@ def _transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_s
     """`pool_host.mha.transfer_kv_direct` (an sgl_kernel op imported only on CUDA/ROCm): a copy per layer."""
     for src, dst in zip(src_layers, dst_layers, strict=True):
         dst[dst_indices] = src[src_indices]
+
+
+def _all_layers_to_pages(src_ptrs, dst_ptrs, src_indices, dst_indices, page_size):
+    """`transfer_kv_all_layer_direct_lf_pf`: every layer's K then V rows (`src_ptrs`, per layer `[slots, heads,
+    dim]`) into the `page_first_direct` host buffers K and V (`[pages, layers, page_size, heads, dim]`)."""
+    layers = len(src_ptrs) // 2
+    pages, offsets = dst_indices // page_size, dst_indices % page_size
+    for half, dst in enumerate(dst_ptrs):
+        for layer in range(layers):
+            dst[pages, layer, offsets] = src_ptrs[half * layers + layer][src_indices]
+
+
+def _pages_to_one_layer(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, page_size):
+    """`transfer_kv_per_layer_direct_pf_lf`: one layer's K and V from the `page_first_direct` host buffers into
+    the device layer's rows."""
+    pages, offsets = src_indices // page_size, src_indices % page_size
+    for src, dst in zip(src_ptrs, dst_ptrs, strict=True):
+        dst[dst_indices] = src[pages, layer_id, offsets]
 
 
 def _no_stream_to_wait_for(self) -> None:
@@ -152,6 +172,8 @@ def install_cpu_replacements() -> None:
         raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang/cpu.py follows {SGLANG_VERSION}")
     common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
     mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = _unpinned_dummy_page
-    mha.transfer_kv_direct = _transfer_kv_direct  # a module global only where CUDA imported it
+    mha.transfer_kv_direct = _transfer_kv_direct  # module globals only where CUDA imported them
+    mha.transfer_kv_all_layer_direct_lf_pf = _all_layers_to_pages
+    mha.transfer_kv_per_layer_direct_pf_lf = _pages_to_one_layer
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = _no_stream_to_wait_for

@@ -12,8 +12,10 @@ named in `NO_SGLANG_SITE`: with SGLang's cache they are what 0.5.23 does, on or 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -78,6 +80,10 @@ class Revert:
         return f"{self.owner}.{self.name}"
 
     def target(self):
+        """The class and its 0.5.23 function; RuntimeError where the function no longer holds `holds`."""
+        from .cache import sglang_modules
+
+        sglang_modules()  # sglang imported the lab's way (its CPU stand-ins) before a module of it is
         owner = getattr(importlib.import_module(self.module), self.owner)
         function = owner.__dict__.get(self.name)
         source = inspect.getsource(function) if function is not None else ""
@@ -148,9 +154,25 @@ def reverts_for(fixes: frozenset[str]) -> list[Revert]:
     return [r for r in REVERTS if r.fix not in fixes]
 
 
-def apply(reverts: list[Revert]) -> list[str]:
-    """Replace each function in this process (a rank's own), checked first; what was replaced, for the summary."""
-    targets = [(revert, *revert.target()) for revert in reverts]
+@contextlib.contextmanager
+def applied(reverts: list[Revert], built: Callable[[], dict]):
+    """Each revert in place while the cache is built (SGLang's controller builds its prefetch groups as it is
+    built), then bound to the objects built (`built()`: owner class name -> object) and the classes restored:
+    the replacements live in this rank's own objects only (a one-rank run shares its process with its caller)."""
+    targets = [(revert, *revert.target()) for revert in reverts]  # every one checked before any is applied
     for revert, owner, _ in targets:
         setattr(owner, revert.name, revert.replacement)
+    try:
+        yield
+    finally:
+        for revert, owner, original in targets:
+            setattr(owner, revert.name, original)
+    objects = built()
+    for revert in reverts:
+        if objects.get(revert.owner) is not None:
+            setattr(objects[revert.owner], revert.name, types.MethodType(revert.replacement, objects[revert.owner]))
+
+
+def described(reverts: list[Revert]) -> list[str]:
+    """What each revert replaced, for the rank's result."""
     return [f"{revert.where} ({revert.pr} undone)" for revert in reverts]

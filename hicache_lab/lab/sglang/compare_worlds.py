@@ -1,0 +1,86 @@
+"""`python -m hicache_lab compare --worlds`: `compare` over the worlds the lab runs (pipelines of 2-4 stages,
+TP x PP, CP, CP x PP, L3 under each prefetch policy, write_back with L3, pages of 1, 16 and 64 tokens, both host
+layouts, real latency with an injected delay, and the seed's legacy worlds), one table row each: equal, or the
+first difference and the docs/fidelity.md row it falls under.
+
+Every world runs a small workload (8 clients x 4 rounds) in a device pool small enough that the host tier is
+used; L3 worlds flush the cache between rounds, so that later rounds' hits come from storage.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ...entrypoints.args import add_run_flags, config_from_args
+from .compare import compare
+
+BASE = ("--num-clients", "8", "--num-rounds", "4", "--max-total-tokens", "512", "--enable-hierarchical-cache")
+L3 = ("--hicache-storage-backend", "file", "--flush-cache-between-rounds")
+WORLDS = (  # (name, flags beyond BASE)
+    ("PP 2", ("--pp", "2")),
+    ("PP 3", ("--pp", "3", "--num-layers", "3")),
+    ("PP 4", ("--pp", "4")),
+    ("TP 2 x PP 2", ("--tp", "2", "--pp", "2")),
+    ("CP 2", ("--cp", "2")),
+    ("CP 2 x PP 2", ("--cp", "2", "--pp", "2")),
+    ("L3 wait_complete", (*L3, "--hicache-storage-prefetch-policy", "wait_complete")),
+    ("L3 best_effort", (*L3, "--hicache-storage-prefetch-policy", "best_effort")),
+    ("L3 timeout", (*L3, "--hicache-storage-prefetch-policy", "timeout")),
+    ("CP 2, L3", ("--cp", "2", *L3)),
+    ("write_back, L3", ("--hicache-write-policy", "write_back", *L3)),
+    ("write_through_selective", ("--hicache-write-policy", "write_through_selective")),
+    ("page 16", ("--page-size", "16")),
+    ("page 64, PP 2", ("--page-size", "64", "--pp", "2", "--max-total-tokens", "1024")),
+    ("layer_first", ("--hicache-mem-layout", "layer_first")),
+    ("page_first", ("--hicache-mem-layout", "page_first")),
+    ("real latency, 2 ms delays", ("--latency", "real", "--injected-delay-ms", "2")),
+    ("PP 2, legacy", ("--pp", "2", "--sync", "legacy")),
+    ("CP 2, L3, legacy", ("--cp", "2", *L3, "--sync", "legacy")),
+)
+
+
+def world_config(flags: tuple[str, ...]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    return config_from_args(parser.parse_args([*BASE, *flags]))
+
+
+def run_worlds(out: Path, names: list[str] | None = None) -> list[dict]:
+    """One row per world: its flags, whether both runs completed with exact outputs, and how they compare step
+    by step (acks consumed, batches), rank by rank (endings, prefetch counts) and round by round (hits by tier)."""
+    rows = []
+    for name, flags in WORLDS:
+        if names and name not in names:
+            continue
+        result = compare(world_config(flags), out / name.replace(" ", "_").replace(",", ""))
+        ends = {impl: s["completed"] for impl, s in result.summaries.items()}
+        exact = {impl: s["outputs_match_reference"] for impl, s in result.summaries.items()}
+        rows.append(
+            {
+                "world": name,
+                "flags": " ".join(flags),
+                "completed (lab, SGLang)": f"{ends['lab']}, {ends['sglang']}",
+                "exact (lab, SGLang)": f"{exact['lab']}, {exact['sglang']}",
+                **{kind: _verdict(result.differences, kind) for kind in ("steps", "ranks", "rounds")},
+                "kept": ", ".join(row for row, _ in result.kept) if result.differences else "",
+            }
+        )
+        rows[-1]["verdict"] = "equal" if result.equal else "different"
+        print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps']})", flush=True)
+    return rows
+
+
+def _verdict(differences, kind: str) -> str:
+    """`equal`, or how many differences of this kind (steps / ranks / rounds) and the first."""
+    mine = [d for d in differences if d.where.startswith(kind[:-1])]
+    return "equal" if not mine else f"{len(mine)}; first: {mine[0]}"
+
+
+def format_worlds(rows: list[dict]) -> str:
+    """The rows as a markdown table."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""SGLang 0.5.23's own cache in the lab's worlds (`run --cache-impl sglang`, `compare`): its own agreement across
+real ranks. Released, it completes with exact outputs; with the PP and CP fixes reverted in its own objects
+(`--sync legacy`), it diverges on the same seed. `compare` finds it equal to the lab's cache, and catches a
+deliberate change to the lab's agreement. Needs sglang 0.5.23 (make installs it); skipped with the reason where
+it is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hicache_lab.errors import ConfigError
+from hicache_lab.lab.binders import run
+from hicache_lab.lab.check.mutants import Mutant
+from hicache_lab.lab.presets import WORLD, config
+from hicache_lab.lab.sglang import reverts
+from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
+from hicache_lab.lab.sglang.compare import compare
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+
+pytestmark = pytest.mark.skipif(
+    sglang_version() != SGLANG_VERSION,
+    reason=f"sglang {SGLANG_VERSION} is not installed (make installs it; see requirements-sglang-cpu.txt)",
+)
+SGLANG = "--cache-impl sglang"
+L3 = "--hicache-storage-backend file --flush-cache-between-rounds"
+
+
+def test_what_sglangs_cache_cannot_run_is_refused_before_any_rank_starts():
+    for flags, words in (
+        ("--device cuda", "--device cuda"),
+        ("--sync off", "SGLang always agrees"),
+        ("--hicache-storage-backend mooncake", "file backend only"),
+        ("--pp 2 --fault kill-rank:0@3", "--fault"),
+        ("--disable-fix alloc_agreement", "no site for it to revert"),
+        ("--record-cache-ops", "use `compare`"),
+    ):
+        cfg = config(WORLD, SGLANG, flags)
+        assert any(words in reason for reason in refusals(cfg)), flags
+        with pytest.raises(ConfigError, match="--cache-impl sglang cannot run this"):
+            SGLANG_CACHE.check(cfg)
+    assert refusals(config(WORLD, SGLANG, "--pp 2 --sync legacy")) == []
+
+
+def test_a_revert_refuses_a_function_that_no_longer_holds_the_lines_it_undoes():
+    revert = reverts.REVERTS[0]
+    assert revert.target()[1] is not None  # 0.5.23 holds them
+    moved = dataclasses.replace(revert, holds=("a line no release has",))
+    with pytest.raises(RuntimeError, match="no longer holds"):
+        moved.target()
+    assert {r.fix for r in reverts.reverts_for(frozenset())} == {"pp_relay", "cp_groups", "prefetch_groups"}
+    assert "UnifiedRadixCache._all_reduce (#27285 undone)" in reverts.described(reverts.REVERTS)
+    assert reverts.reverts_for(config(WORLD).parallel.fixes) == []
+
+
+def test_a_one_rank_legacy_run_reverts_its_own_cache_only(tmp_path):
+    """A one-rank run shares the caller's process: the reverts live in that run's objects, the classes stay."""
+    summary = run(config(WORLD, SGLANG, "--sync legacy"), tmp_path, verbose=False)
+    assert summary["completed"]
+    for revert in reverts.REVERTS:
+        owner, function = revert.target()  # still 0.5.23's own, holding the lines the revert undoes
+        assert function is not revert.replacement
+
+
+@pytest.mark.spawns
+def test_sglangs_cache_on_pp2_released_is_exact_and_reverted_diverges(tmp_path):
+    fixed = run(config(WORLD, SGLANG, "--pp 2"), tmp_path / "fixed", verbose=False)
+    assert fixed["completed"] and not fixed["diverged"] and fixed["outputs_match_reference"] is True
+    legacy = run(config(WORLD, SGLANG, "--pp 2 --sync legacy"), tmp_path / "legacy", verbose=False)
+    assert legacy["diverged"] and legacy["first_divergence"]["quantity"] == "acks_write"
+    assert legacy["crashed"]
+
+
+@pytest.mark.spawns
+def test_sglangs_cache_on_cp2_with_a_file_store_reads_it_and_reverted_diverges(tmp_path):
+    fixed = run(config(WORLD, SGLANG, "--cp 2", L3), tmp_path / "fixed", verbose=False)
+    assert fixed["completed"] and fixed["outputs_match_reference"] is True
+    assert sum(r["cached_storage"] for r in fixed["rounds"]) > 0
+    legacy = run(config(WORLD, SGLANG, "--cp 2 --sync legacy", L3), tmp_path / "legacy", verbose=False)
+    assert legacy["diverged"]
+
+
+@pytest.mark.spawns
+def test_compare_is_equal_on_cp2_and_catches_max_for_min(tmp_path):
+    cfg = config(WORLD, "--cp 2")
+    same = compare(cfg, tmp_path / "same")
+    assert same.equal, "\n".join(map(str, same.differences[:5]))
+    bent = compare(cfg, tmp_path / "bent", lab_binders=(Mutant("max_for_min"),))
+    assert not bent.equal
+    assert bent.differences[0].quantity == "acks_write"
