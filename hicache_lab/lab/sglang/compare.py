@@ -2,10 +2,12 @@
 0.5.23's own (`--cache-impl sglang`, rank_cache.py), compared rank by rank and step by step.
 
 Compared, in causal order: per step and rank, the acks each rank consumed per queue (the agreed counts), the
-batch it ran (its requests, new tokens and cached prefix), and whether and where it crashed; per rank, the
-storage prefetches issued, declined for the rate limit, revoked, and the tokens they brought; per round, the
-hit tokens by tier. The first difference is reported (step, rank, quantity, both values); where the world has a
-difference the lab keeps on purpose, it is reported under its row of docs/fidelity.md (`KEPT`), never hidden.
+batch it ran (its requests, new tokens and cached prefix) and the relay sends it issued down the pipeline (a
+step one run reached and the other did not, a crash, shows there); per rank, whether it completed or crashed,
+and its storage prefetches issued, declined for the rate limit and revoked; per round, the hit tokens by tier
+(storage hits among them); whether outputs matched the reference. Differences are reported first to last
+(step, rank, quantity, both values); where the world has a difference the lab keeps on purpose, it is
+reported under its row of docs/fidelity.md (`KEPT`), never hidden.
 Exit 0: equal; 1: different; 2: cannot compare (a world SGLang's cache refuses, or no sglang).
 """
 
@@ -20,8 +22,9 @@ from ...config import RunConfig
 from ...managers.step_trace import read_trace
 from ..binders import run
 from ..check.mutants import MUTANTS, Mutant
+from .reverts import NO_SGLANG_SITE
 
-STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens")
+STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens", "relay_sent")
 ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
 # (quantity of the lab's storage summary, SGLang's prefetch counters it sums)
 PREFETCH_QUANTITIES = (
@@ -31,6 +34,12 @@ PREFETCH_QUANTITIES = (
 )
 # Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies, why)
 KEPT = (
+    (
+        "N1",
+        lambda cfg: cfg.parallel.pp > 1 and bool({"alloc_agreement", "prefetch_vote"} & cfg.parallel.fixes),
+        "`--sync fixed` adds agreements no release has (the allocation vote of #31425, the prefetch vote of "
+        "#38273): more relay sends down the pipeline than 0.5.23's one per step",
+    ),
     (
         "V1",
         lambda cfg: cfg.cache.latency == "real",
@@ -58,9 +67,17 @@ class Difference:
 
 
 def _with_impl(cfg: RunConfig, impl: str) -> RunConfig:
-    """`cfg` for one side, outputs checked; SGLang's side agrees with its own code (no `--sync-impl`)."""
+    """`cfg` for one side, outputs checked. SGLang's side agrees with its own code: no `--sync-impl`, and no
+    switch of a fix it has no site for (it does what 0.5.23 does, whatever the lab's side turns off)."""
     if impl == "sglang":
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=()))
+        p, lab_only = cfg.parallel, set(NO_SGLANG_SITE)
+        p = dataclasses.replace(
+            p,
+            sync_impls=(),
+            enable_fixes=tuple(f for f in p.enable_fixes if f not in lab_only),
+            disable_fixes=tuple(f for f in p.disable_fixes if f not in lab_only),
+        )
+        cfg = dataclasses.replace(cfg, parallel=p)
     return dataclasses.replace(cfg, cache_impl=impl, check_outputs=True)
 
 
@@ -77,8 +94,8 @@ def _ranks(out: Path) -> dict[int, dict]:
 
 
 def step_differences(lab: Path, sglang: Path) -> list[Difference]:
-    """Every (step, rank) at which the two runs' traces differ, first quantity only, in step order; a step one
-    run reached and the other did not is a difference too."""
+    """Every quantity in which the two runs' traces differ, by (step, rank) and in causal order within one; a
+    step one run reached and the other did not is a difference too."""
     a, b = _by_step(lab), _by_step(sglang)
     found = []
     for step, rank in sorted(set(a) | set(b)):
@@ -87,10 +104,7 @@ def step_differences(lab: Path, sglang: Path) -> list[Difference]:
         if left is None or right is None:
             found.append(Difference(where, "step reached", left is not None, right is not None))
             continue
-        for quantity in STEP_QUANTITIES:
-            if left[quantity] != right[quantity]:
-                found.append(Difference(where, quantity, left[quantity], right[quantity]))
-                break
+        found += [Difference(where, q, left[q], right[q]) for q in STEP_QUANTITIES if left[q] != right[q]]
     return found
 
 
@@ -160,8 +174,10 @@ def compare(cfg: RunConfig, out: Path, verbose: bool = False, lab_binders: tuple
 
 def format_rounds(summaries: dict[str, dict]) -> str:
     """Hit tokens per round and tier, the lab's beside SGLang's."""
-    lines = [f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
-             f"{'host':>6} {'storage':>7}"]
+    lines = [
+        f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
+        f"{'host':>6} {'storage':>7}"
+    ]
     for left, right in zip(summaries["lab"]["rounds"], summaries["sglang"]["rounds"], strict=False):
         cells = [f"{r['cached_device']:>6} {r['cached_host']:>6} {r['cached_storage']:>7}" for r in (left, right)]
         lines.append(f"{left['round']:>5} {left['prompt_tokens']:>7}   {cells[0]:>25}   {cells[1]:>28}")

@@ -18,6 +18,10 @@ BASE = ("--num-clients", "8", "--num-rounds", "4", "--max-total-tokens", "512", 
 L3 = ("--hicache-storage-backend", "file", "--flush-cache-between-rounds")
 WORLDS = (  # (name, flags beyond BASE)
     ("PP 2", ("--pp", "2")),
+    (
+        "PP 2, 0.5.23's agreements only",
+        ("--pp", "2", "--disable-fix", "alloc_agreement", "--disable-fix", "prefetch_vote"),
+    ),
     ("PP 3", ("--pp", "3", "--num-layers", "3")),
     ("PP 4", ("--pp", "4")),
     ("TP 2 x PP 2", ("--tp", "2", "--pp", "2")),
@@ -63,18 +67,20 @@ def run_worlds(out: Path, names: list[str] | None = None) -> list[dict]:
                 "flags": " ".join(flags),
                 "completed (lab, SGLang)": f"{ends['lab']}, {ends['sglang']}",
                 "exact (lab, SGLang)": f"{exact['lab']}, {exact['sglang']}",
-                **{kind: _verdict(result.differences, kind) for kind in ("steps", "ranks", "rounds")},
+                "steps: acks, batches": _verdict([d for d in result.differences if d.quantity != "relay_sent"], "step"),
+                "steps: relay sends": _verdict([d for d in result.differences if d.quantity == "relay_sent"], "step"),
+                **{kind: _verdict(result.differences, kind[:-1]) for kind in ("ranks", "rounds")},
                 "kept": ", ".join(row for row, _ in result.kept) if result.differences else "",
             }
         )
         rows[-1]["verdict"] = "equal" if result.equal else "different"
-        print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps']})", flush=True)
+        print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps: acks, batches']})", flush=True)
     return rows
 
 
 def _verdict(differences, kind: str) -> str:
-    """`equal`, or how many differences of this kind (steps / ranks / rounds) and the first."""
-    mine = [d for d in differences if d.where.startswith(kind[:-1])]
+    """`equal`, or how many differences there are of this kind ("step", "rank", "round") and the first."""
+    mine = [d for d in differences if d.where.startswith(kind)]
     return "equal" if not mine else f"{len(mine)}; first: {mine[0]}"
 
 

@@ -12,8 +12,8 @@ stands in for something of SGLang's environment. Nothing of SGLang's is copied; 
   copy kernels are sgl_kernel ops imported only on CUDA/ROCm (`transfer_kv_direct` for `layer_first`, and for
   `page_first_direct` `transfer_kv_all_layer_direct_lf_pf` and `transfer_kv_per_layer_direct_pf_lf`: here
   indexed copies), and `torch.cpu.Stream` has no `synchronize` (reached only on an error path, where its
-  absence would hide the real exception). Only bytes move in them: no decision of SGLang's is replaced. Each replacement fails loudly if
-  the name it replaces has moved: an upgrade of sglang breaks here, visibly.
+  absence would hide the real exception). Only bytes move in them: no decision of SGLang's is replaced. Each
+  replacement fails loudly if the name it replaces has moved: an upgrade of sglang breaks here, visibly.
 
 The Makefile installs sglang itself with `--no-deps` (its own requirements pin a CUDA torch) and its pure-Python
 dependencies from requirements-sglang-cpu.txt.

@@ -112,7 +112,13 @@ class SGLangRankCache(SGLangCache):
     def digest(self) -> str:
         """The tree as far as its totals and device slots show it: equal on ranks that took the same decisions."""
         values = self.cache.tree_core.all_values_flatten()
-        state = (sorted(values.tolist()), self.cache.total_size(), self.evictable(), self.device_free(), self.host_free())
+        state = (
+            sorted(values.tolist()),
+            self.cache.total_size(),
+            self.evictable(),
+            self.device_free(),
+            self.host_free(),
+        )
         return hashlib.sha256(repr(state).encode()).hexdigest()
 
     def observe(self) -> dict:
