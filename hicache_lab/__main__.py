@@ -18,6 +18,7 @@ from .entrypoints.report import divergence_words, mean_hit_rate
 from .entrypoints.torchrun import run_under_torchrun
 from .errors import ConfigError
 from .lab.binders import LAB
+from .lab.check.compare_cli import add_compare_flags, cmd_compare
 from .lab.check.exhaustive import add_exhaustive_flags, cmd_exhaustive
 from .lab.check.soak import add_soak_flags, cmd_soak
 from .lab.check.zoo import add_zoo_flags, cmd_zoo
@@ -25,7 +26,6 @@ from .lab.figures.against_sglang import compare_with_sglang
 from .lab.figures.hit_rates import plot_hit_rates
 from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
-from .lab.sglang.compare import add_compare_flags, cmd_compare
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
 from .lab.sglang.source import read_bench_multiturn
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         description=cmd_compare.__doc__,
     )
     add_compare_flags(compare_parser)
-    compare_parser.set_defaults(func=cmd_compare)
+    compare_parser.set_defaults(func=cmd_compare, binders=LAB)
     exercise_parser = commands.add_parser(
         "exercise", help="check your own pp_sync / writing_check / attn_groups on several worlds (notebook 06)"
     )

@@ -12,12 +12,12 @@ import dataclasses
 import pytest
 
 from hicache_lab.errors import ConfigError
-from hicache_lab.lab.binders import run
+from hicache_lab.lab.binders import LAB, run
+from hicache_lab.lab.check.compare import compare
 from hicache_lab.lab.check.mutants import Mutant
 from hicache_lab.lab.presets import WORLD, config
 from hicache_lab.lab.sglang import reverts
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
-from hicache_lab.lab.sglang.compare import compare
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
 
 pytestmark = pytest.mark.skipif(
@@ -85,8 +85,8 @@ def test_sglangs_cache_on_cp2_with_a_file_store_reads_it_and_reverted_diverges(t
 @pytest.mark.spawns
 def test_compare_is_equal_on_cp2_and_catches_max_for_min(tmp_path):
     cfg = config(WORLD, "--cp 2")
-    same = compare(cfg, tmp_path / "same")
+    same = compare(cfg, tmp_path / "same", LAB)
     assert same.equal, "\n".join(map(str, same.differences[:5]))
-    bent = compare(cfg, tmp_path / "bent", lab_binders=(Mutant("max_for_min"),))
+    bent = compare(cfg, tmp_path / "bent", LAB, (Mutant("max_for_min"),))
     assert not bent.equal
     assert bent.differences[0].quantity == "acks_write"

@@ -18,6 +18,7 @@ from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import make_copy_engine
 from . import reverts
 from .cpu import prepare_imports
+from .rank_cache import SGLangRankCache
 from .world import sglang_world
 
 
@@ -59,8 +60,6 @@ class SGLangCacheBinder(Binder):
     def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path):
         if cfg.cache_impl != "sglang":
             return None
-        from .rank_cache import SGLangRankCache  # imports sglang: only in a rank that runs it
-
         c, layout = cfg.cache, sync.groups.layout
         world = sglang_world(cfg, sync.groups, storage_dir)
         clock = make_copy_engine(

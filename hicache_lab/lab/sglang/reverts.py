@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .cache import sglang_modules
+
 MIN = dist.ReduceOp.MIN
 
 
@@ -57,7 +59,7 @@ def _every_stage_polls(self):
 
 def _prefetch_groups_tp_only(self):
     """Before #20460/#27010: the storage threads agree over the TP group of their stage alone."""
-    from sglang.srt.distributed.parallel_state import create_custom_parallel_group
+    from sglang.srt.distributed.parallel_state import create_custom_parallel_group  # imported once sglang is
 
     group = self.attn_tp_group if self.attn_tp_group is not None else self.tp_group
     if group is None or dist.get_world_size(group=group) == 1:
@@ -81,8 +83,6 @@ class Revert:
 
     def target(self):
         """The class and its 0.5.23 function; RuntimeError where the function no longer holds `holds`."""
-        from .cache import sglang_modules
-
         sglang_modules()  # sglang imported the lab's way (its CPU stand-ins) before a module of it is
         owner = getattr(importlib.import_module(self.module), self.owner)
         function = owner.__dict__.get(self.name)

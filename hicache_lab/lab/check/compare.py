@@ -1,5 +1,6 @@
-"""`python -m hicache_lab compare [run flags]`: one world and workload, run with the lab's cache and with sglang
-0.5.23's own (`--cache-impl sglang`, rank_cache.py), compared rank by rank and step by step.
+"""`python -m hicache_lab compare [run flags]` (compare_cli.py): one world and workload, run with the lab's
+cache and with sglang 0.5.23's own (`--cache-impl sglang`, lab/sglang/rank_cache.py), compared rank by rank and
+step by step.
 
 Compared, in causal order: per step and rank, the acks each rank consumed per queue (the agreed counts), the
 batch it ran (its requests, new tokens and cached prefix) and the relay sends it issued down the pipeline (a
@@ -19,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import RunConfig
+from ...entrypoints import launch
 from ...managers.step_trace import read_trace
-from ..binders import run
-from ..check.mutants import MUTANTS, Mutant
-from .reverts import NO_SGLANG_SITE
+from ..sglang.reverts import NO_SGLANG_SITE
 
 STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens", "relay_sent")
 ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
@@ -66,7 +66,7 @@ class Difference:
         return f"{self.where}: {self.quantity}: lab {self.lab}, SGLang {self.sglang}"
 
 
-def _with_impl(cfg: RunConfig, impl: str) -> RunConfig:
+def with_impl(cfg: RunConfig, impl: str) -> RunConfig:
     """`cfg` for one side, outputs checked. SGLang's side agrees with its own code: no `--sync-impl`, and no
     switch of a fix it has no site for (it does what 0.5.23 does, whatever the lab's side turns off)."""
     if impl == "sglang":
@@ -81,7 +81,7 @@ def _with_impl(cfg: RunConfig, impl: str) -> RunConfig:
     return dataclasses.replace(cfg, cache_impl=impl, check_outputs=True)
 
 
-def _by_step(out: Path) -> dict[tuple[int, int], dict]:
+def by_step(out: Path) -> dict[tuple[int, int], dict]:
     return {(row["step"], row["rank"]): row for row in read_trace(out)}
 
 
@@ -96,7 +96,7 @@ def _ranks(out: Path) -> dict[int, dict]:
 def step_differences(lab: Path, sglang: Path) -> list[Difference]:
     """Every quantity in which the two runs' traces differ, by (step, rank) and in causal order within one; a
     step one run reached and the other did not is a difference too."""
-    a, b = _by_step(lab), _by_step(sglang)
+    a, b = by_step(lab), by_step(sglang)
     found = []
     for step, rank in sorted(set(a) | set(b)):
         left, right = a.get((step, rank)), b.get((step, rank))
@@ -150,11 +150,12 @@ class Comparison:
         return not self.differences
 
 
-def compare(cfg: RunConfig, out: Path, verbose: bool = False, lab_binders: tuple = ()) -> Comparison:
-    """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared; `lab_binders` bind into the lab's run only
-    (a deliberate change: lab/check/mutants.py)."""
+def compare(cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), verbose: bool = False) -> Comparison:
+    """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared. `binders`: what both runs bind (the lab's:
+    `lab.binders.LAB`, which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate
+    change: mutants.py)."""
     summaries = {
-        impl: run(_with_impl(cfg, impl), out / impl, verbose=verbose, more=lab_binders if impl == "lab" else ())
+        impl: launch.run(with_impl(cfg, impl), out / impl, verbose, (*binders, *(lab_binders * (impl == "lab"))))
         for impl in ("lab", "sglang")
     }
     differences = (
@@ -167,76 +168,3 @@ def compare(cfg: RunConfig, out: Path, verbose: bool = False, lab_binders: tuple
         differences.append(Difference("run", "outputs_match_reference", *outputs))
     kept = [(row, why) for row, applies, why in KEPT if applies(cfg)]
     return Comparison(summaries, differences, kept)
-
-
-# -- the command -------------------------------------------------------------------------------------------
-
-
-def format_rounds(summaries: dict[str, dict]) -> str:
-    """Hit tokens per round and tier, the lab's beside SGLang's."""
-    lines = [
-        f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
-        f"{'host':>6} {'storage':>7}"
-    ]
-    for left, right in zip(summaries["lab"]["rounds"], summaries["sglang"]["rounds"], strict=False):
-        cells = [f"{r['cached_device']:>6} {r['cached_host']:>6} {r['cached_storage']:>7}" for r in (left, right)]
-        lines.append(f"{left['round']:>5} {left['prompt_tokens']:>7}   {cells[0]:>25}   {cells[1]:>28}")
-    return "\n".join(lines)
-
-
-def add_compare_flags(parser) -> None:
-    from ...entrypoints.args import add_run_flags
-
-    add_run_flags(parser)
-    parser.add_argument("--out", default="runs/compare", help="where both runs go: OUT/lab, OUT/sglang")
-    parser.add_argument("--show", type=int, default=5, help="differences to print (default 5)")
-    parser.add_argument(
-        "--worlds",
-        action="store_true",
-        help="compare over the lab's list of worlds instead (lab/sglang/compare_worlds.py; its own workload): a "
-        "table, also written to OUT/worlds.md",
-    )
-    parser.add_argument(
-        "--mutant",
-        choices=MUTANTS,
-        help="a deliberate change to the lab's agreement, in the lab's run only: compare must catch it "
-        "(lab/check/mutants.py)",
-    )
-
-
-def cmd_compare(args) -> int:
-    """Run one world and workload with the lab's cache and with sglang 0.5.23's own (`--cache-impl sglang`),
-    and compare them step by step and rank by rank: acks consumed per queue, batches, crashes, storage
-    prefetches, per-round hit tokens by tier. Exit 0 equal, 1 different (the first difference first, and each
-    difference the lab keeps on purpose under its docs/fidelity.md row), 2 cannot compare."""
-    from ...entrypoints.args import config_from_args
-    from ...errors import ConfigError
-    from .binder import SGLANG_CACHE
-
-    if args.worlds:
-        from .compare_worlds import format_worlds, run_worlds
-
-        rows = run_worlds(Path(args.out))
-        table = format_worlds(rows)
-        (Path(args.out) / "worlds.md").write_text(table + "\n")
-        print(table)
-        return 0 if all(r["verdict"] == "equal" or r["kept"] for r in rows) else 1
-    cfg = config_from_args(args)
-    if cfg.cache_impl != "lab":
-        raise ConfigError("compare runs both caches itself: drop --cache-impl")
-    SGLANG_CACHE.check(_with_impl(cfg, "sglang"))  # refused before either run starts
-    result = compare(cfg, Path(args.out), lab_binders=(Mutant(args.mutant),) if args.mutant else ())
-    print(format_rounds(result.summaries))
-    for impl, label in (("lab", "lab"), ("sglang", "SGLang")):
-        s = result.summaries[impl]
-        ending = "completed" if s["completed"] else f"crashed: {s['error']}" if s["crashed"] else "stopped"
-        print(f"{label}: {ending}; outputs match reference: {s['outputs_match_reference']}")
-    if result.equal:
-        print(f"equal: {len(_by_step(Path(args.out) / 'lab'))} rank-steps, every rank's ending, prefetches, rounds")
-        return 0
-    print(f"{len(result.differences)} differences; the first {min(args.show, len(result.differences))}:")
-    for difference in result.differences[: args.show]:
-        print(f"  {difference}")
-    for row, why in result.kept:
-        print(f"kept on purpose in this world (docs/fidelity.md, {row}): {why}")
-    return 1

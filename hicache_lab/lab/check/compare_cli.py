@@ -1,0 +1,161 @@
+"""`python -m hicache_lab compare`: the command (compare.py does the comparing), and `compare --worlds`:
+`compare` over the worlds the lab runs (pipelines of 2-4 stages, TP x PP, CP, CP x PP, L3 under each prefetch
+policy, write_back with L3, pages of 1, 16 and 64 tokens, both host layouts, real latency with an injected delay,
+and the seed's legacy worlds), one table row each: equal, or the differences and the docs/fidelity.md row they
+fall under.
+
+Every world runs a small workload (8 clients x 4 rounds) in a device pool small enough that the host tier is
+used; L3 worlds flush the cache between rounds, so that later rounds' hits come from storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...entrypoints.args import add_run_flags, config_from_args
+from ...errors import ConfigError
+from ..sglang.binder import SGLANG_CACHE
+from .compare import by_step, compare, with_impl
+from .mutants import MUTANTS, Mutant
+
+BASE = ("--num-clients", "8", "--num-rounds", "4", "--max-total-tokens", "512", "--enable-hierarchical-cache")
+L3 = ("--hicache-storage-backend", "file", "--flush-cache-between-rounds")
+WORLDS = (  # (name, flags beyond BASE)
+    ("PP 2", ("--pp", "2")),
+    (
+        "PP 2, 0.5.23's agreements only",
+        ("--pp", "2", "--disable-fix", "alloc_agreement", "--disable-fix", "prefetch_vote"),
+    ),
+    ("PP 3", ("--pp", "3", "--num-layers", "3")),
+    ("PP 4", ("--pp", "4")),
+    ("TP 2 x PP 2", ("--tp", "2", "--pp", "2")),
+    ("CP 2", ("--cp", "2")),
+    ("CP 2 x PP 2", ("--cp", "2", "--pp", "2")),
+    ("L3 wait_complete", (*L3, "--hicache-storage-prefetch-policy", "wait_complete")),
+    ("L3 best_effort", (*L3, "--hicache-storage-prefetch-policy", "best_effort")),
+    ("L3 timeout", (*L3, "--hicache-storage-prefetch-policy", "timeout")),
+    ("CP 2, L3", ("--cp", "2", *L3)),
+    ("write_back, L3", ("--hicache-write-policy", "write_back", *L3)),
+    ("write_through_selective", ("--hicache-write-policy", "write_through_selective")),
+    ("page 16", ("--page-size", "16")),
+    ("page 64, PP 2", ("--page-size", "64", "--pp", "2", "--max-total-tokens", "1024")),
+    ("layer_first", ("--hicache-mem-layout", "layer_first")),
+    ("page_first", ("--hicache-mem-layout", "page_first")),
+    ("real latency, 2 ms delays", ("--latency", "real", "--injected-delay-ms", "2")),
+    ("PP 2, legacy", ("--pp", "2", "--sync", "legacy")),
+    ("CP 2, L3, legacy", ("--cp", "2", *L3, "--sync", "legacy")),
+)
+
+
+def world_config(flags: tuple[str, ...]):
+    parser = argparse.ArgumentParser()
+    add_run_flags(parser)
+    return config_from_args(parser.parse_args([*BASE, *flags]))
+
+
+def run_worlds(out: Path, binders: tuple, names: list[str] | None = None) -> list[dict]:
+    """One row per world: its flags, whether both runs completed with exact outputs, and how they compare step
+    by step (acks consumed, batches), rank by rank (endings, prefetch counts) and round by round (hits by tier)."""
+    rows = []
+    for name, flags in WORLDS:
+        if names and name not in names:
+            continue
+        result = compare(world_config(flags), out / name.replace(" ", "_").replace(",", "").replace("'", ""), binders)
+        ends = {impl: s["completed"] for impl, s in result.summaries.items()}
+        exact = {impl: s["outputs_match_reference"] for impl, s in result.summaries.items()}
+        rows.append(
+            {
+                "world": name,
+                "flags": " ".join(flags),
+                "completed (lab, SGLang)": f"{ends['lab']}, {ends['sglang']}",
+                "exact (lab, SGLang)": f"{exact['lab']}, {exact['sglang']}",
+                "steps: acks, batches": _verdict([d for d in result.differences if d.quantity != "relay_sent"], "step"),
+                "steps: relay sends": _verdict([d for d in result.differences if d.quantity == "relay_sent"], "step"),
+                **{kind: _verdict(result.differences, kind[:-1]) for kind in ("ranks", "rounds")},
+                "kept": ", ".join(row for row, _ in result.kept) if result.differences else "",
+            }
+        )
+        rows[-1]["verdict"] = "equal" if result.equal else "different"
+        print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps: acks, batches']})", flush=True)
+    return rows
+
+
+def _verdict(differences, kind: str) -> str:
+    """`equal`, or how many differences there are of this kind ("step", "rank", "round") and the first."""
+    mine = [d for d in differences if d.where.startswith(kind)]
+    return "equal" if not mine else f"{len(mine)}; first: {mine[0]}"
+
+
+def format_worlds(rows: list[dict]) -> str:
+    """The rows as a markdown table."""
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(row[c]) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def format_rounds(summaries: dict[str, dict]) -> str:
+    """Hit tokens per round and tier, the lab's beside SGLang's."""
+    lines = [
+        f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
+        f"{'host':>6} {'storage':>7}"
+    ]
+    for left, right in zip(summaries["lab"]["rounds"], summaries["sglang"]["rounds"], strict=False):
+        cells = [f"{r['cached_device']:>6} {r['cached_host']:>6} {r['cached_storage']:>7}" for r in (left, right)]
+        lines.append(f"{left['round']:>5} {left['prompt_tokens']:>7}   {cells[0]:>25}   {cells[1]:>28}")
+    return "\n".join(lines)
+
+
+def add_compare_flags(parser) -> None:
+    add_run_flags(parser)
+    parser.add_argument("--out", default="runs/compare", help="where both runs go: OUT/lab, OUT/sglang")
+    parser.add_argument("--show", type=int, default=5, help="differences to print (default 5)")
+    parser.add_argument(
+        "--worlds",
+        action="store_true",
+        help="compare over the lab's list of worlds instead (`WORLDS` in lab/check/compare_cli.py, their own "
+        "workload): a table, also written to OUT/worlds.md",
+    )
+    parser.add_argument(
+        "--mutant",
+        choices=MUTANTS,
+        help="a deliberate change to the lab's agreement, in the lab's run only: compare must catch it "
+        "(lab/check/mutants.py)",
+    )
+
+
+def cmd_compare(args) -> int:
+    """Run one world and workload with the lab's cache and with sglang 0.5.23's own (`--cache-impl sglang`),
+    and compare them step by step and rank by rank: acks consumed per queue, batches, crashes, storage
+    prefetches, per-round hit tokens by tier. Exit 0 equal, 1 different (the first difference first, and each
+    difference the lab keeps on purpose under its docs/fidelity.md row), 2 cannot compare."""
+    if args.worlds:
+        rows = run_worlds(Path(args.out), args.binders)
+        table = format_worlds(rows)
+        (Path(args.out) / "worlds.md").write_text(table + "\n")
+        print(table)
+        return 0 if all(r["verdict"] == "equal" or r["kept"] for r in rows) else 1
+    cfg = config_from_args(args)
+    if cfg.cache_impl != "lab":
+        raise ConfigError("compare runs both caches itself: drop --cache-impl")
+    SGLANG_CACHE.check(with_impl(cfg, "sglang"))  # refused before either run starts
+    mutants = (Mutant(args.mutant),) if args.mutant else ()
+    result = compare(cfg, Path(args.out), args.binders, mutants)
+    print(format_rounds(result.summaries))
+    for impl, label in (("lab", "lab"), ("sglang", "SGLang")):
+        s = result.summaries[impl]
+        ending = "completed" if s["completed"] else f"crashed: {s['error']}" if s["crashed"] else "stopped"
+        print(f"{label}: {ending}; outputs match reference: {s['outputs_match_reference']}")
+    if result.equal:
+        print(f"equal: {len(by_step(Path(args.out) / 'lab'))} rank-steps, every rank's ending, prefetches, rounds")
+        return 0
+    print(f"{len(result.differences)} differences; the first {min(args.show, len(result.differences))}:")
+    for difference in result.differences[: args.show]:
+        print(f"  {difference}")
+    for row, why in result.kept:
+        print(f"kept on purpose in this world (docs/fidelity.md, {row}): {why}")
+    return 1
