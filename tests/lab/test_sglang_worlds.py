@@ -50,7 +50,7 @@ def test_a_revert_refuses_a_function_that_no_longer_holds_the_lines_it_undoes():
     moved = dataclasses.replace(revert, holds=("a line no release has",))
     with pytest.raises(RuntimeError, match="no longer holds"):
         moved.target()
-    assert {r.fix for r in reverts.reverts_for(frozenset())} == {"pp_relay", "cp_groups", "prefetch_groups"}
+    assert {r.fix for r in reverts.reverts_for(frozenset())} == {"pp_relay", "cp_groups", "prefetch_groups", "agree_loads", "bounded_drain"}
     assert "UnifiedRadixCache._all_reduce (#27285 undone)" in reverts.described(reverts.REVERTS)
     assert reverts.reverts_for(config(WORLD).parallel.fixes) == []
 

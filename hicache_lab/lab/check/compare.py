@@ -26,12 +26,8 @@ from ..sglang.reverts import NO_SGLANG_SITE
 
 STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens", "relay_sent")
 ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
-# (quantity of the lab's storage summary, SGLang's prefetch counters it sums)
-PREFETCH_QUANTITIES = (
-    ("prefetches", ("issued",)),
-    ("rate_limited", ("declined_rate_limited",)),
-    ("revoked", ("revoked_insufficient", "revoked_full_miss")),
-)
+# what both caches' storage summaries count the same way (SGLang's: lab/sglang/rank_cache.SGLangRankCache.summary)
+PREFETCH_QUANTITIES = ("prefetches", "rate_limited", "revoked")
 # Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies, why)
 KEPT = (
     (
@@ -118,13 +114,14 @@ def rank_differences(lab: Path, sglang: Path) -> list[Difference]:
         for key in ("completed", "crashed"):
             if left.get(key) != right.get(key):
                 found.append(Difference(where, key, left.get(key), right.get(key)))
-        storage, stats = left.get("storage"), right.get("sglang", {}).get("prefetch")
-        if storage is None or stats is None:
+        storage, theirs = left.get("storage"), right.get("storage")
+        if storage is None or theirs is None:
             continue
-        for ours, theirs in PREFETCH_QUANTITIES:
-            value = sum(stats.get(name, 0) for name in theirs)
-            if storage.get(ours) != value:
-                found.append(Difference(where, f"prefetch {ours}", storage.get(ours), value))
+        found += [
+            Difference(where, f"prefetch {q}", storage.get(q), theirs.get(q))
+            for q in PREFETCH_QUANTITIES
+            if storage.get(q) != theirs.get(q)
+        ]
     return found
 
 

@@ -21,8 +21,10 @@ from pathlib import Path
 from ...config import RunConfig
 from ...distributed.parallel_state import stage_layers
 from ...entrypoints.launch import run
+from ...errors import ConfigError
 from ...mem_cache.hicache_storage import storage_suffix
 from ..presets import WORLD, config
+from ..sglang.binder import SGLANG_CACHE, refusals
 from .faults import FAULTS
 from .zoo_symptoms import diverged, no_storage_hits, prefetches_revoked, relay_sends_only_grow
 
@@ -222,8 +224,17 @@ class EntryRun:
     out: Path = field(repr=False)
 
 
-def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[EntryRun, EntryRun]:
-    """The broken and the fixed run of an entry: (broken, fixed)."""
+def not_on_sglang(entry: Entry) -> str | None:
+    """Why an entry cannot run on SGLang's own cache (`--cache-impl sglang`: its broken run reverts the entry's
+    fixes in SGLang's objects), or None."""
+    if entry.prepare is not None:
+        return "its store is prepared in the lab's key format"
+    reasons = refusals(_config(f"{entry.run_flags(True)} --cache-impl sglang", entry.fixes))
+    return "; ".join(reasons) or None
+
+
+def reproduce(entry: Entry, out: Path, verbose: bool = False, cache_impl: str = "lab") -> tuple[EntryRun, EntryRun]:
+    """The broken and the fixed run of an entry, on the lab's cache or SGLang's own: (broken, fixed)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -236,7 +247,9 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False) -> tuple[EntryRun,
         if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
             shutil.copytree(store, out / f"{name}_store")
             flags += f" --hicache-storage-dir {out / f'{name}_store'}"
-        summary = run(_config(flags, disabled), out / name, verbose, binders=(FAULTS,))
+        summary = run(
+            _config(f"{flags} --cache-impl {cache_impl}", disabled), out / name, verbose, (FAULTS, SGLANG_CACHE)
+        )
         runs.append(EntryRun(summary, entry.symptom(summary, out / name), out / name))
     return runs[0], runs[1]
 
@@ -249,18 +262,31 @@ def consistent(entry_run: EntryRun) -> bool:
 def add_zoo_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", nargs="?", choices=list(ENTRIES), help="reproduce one entry (default: list them)")
     parser.add_argument("--out", default="runs/zoo", help="run directories (default: runs/zoo/NAME)")
+    parser.add_argument(
+        "--cache-impl",
+        choices=("lab", "sglang"),
+        default="lab",
+        help="sglang: both runs on SGLang 0.5.23's own cache, the broken one with the entry's fixes reverted in "
+        "SGLang's objects (lab/sglang/reverts.py); the list says which entries can",
+    )
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
+    sglang = args.cache_impl == "sglang"
     if args.name is None:
         for e in ENTRIES.values():
             fixes = ", ".join(e.fixes) or "-"
             print(f"{e.name:<24} fix {fixes:<18} {e.failure}\n{'':<24} SGLang {e.sglang}\n{'':<24} {e.command(True)}")
+            if sglang:
+                print(f"{'':<24} on SGLang's cache: {'not run: ' + why if (why := not_on_sglang(e)) else 'yes'}")
         return 0
     entry = ENTRIES[args.name]
+    if sglang and (why := not_on_sglang(entry)):
+        raise ConfigError(f"zoo {entry.name} --cache-impl sglang: {why}")
     print(f"{entry.name}: {entry.failure}\nSGLang: {entry.sglang}")
-    broken, fixed = reproduce(entry, Path(args.out) / entry.name)
-    print(f"\nbroken ({entry.command(True)}):\n  {broken.symptom or 'no symptom (unexpected)'}")
+    broken, fixed = reproduce(entry, Path(args.out) / entry.name, cache_impl=args.cache_impl)
+    impl = f" --cache-impl {args.cache_impl}" if sglang else ""
+    print(f"\nbroken ({entry.command(True)}{impl}):\n  {broken.symptom or 'no symptom (unexpected)'}")
     verdict = "completed, every rank agrees, outputs exact" if consistent(fixed) else diverged(fixed.summary, fixed.out)
-    print(f"fixed ({entry.command(False)}):\n  {verdict}")
+    print(f"fixed ({entry.command(False)}{impl}):\n  {verdict}")
     return 0 if broken.symptom and consistent(fixed) else 1

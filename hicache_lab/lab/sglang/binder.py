@@ -31,6 +31,10 @@ def refusals(cfg: RunConfig) -> list[str]:
         (p.sync != "off", "--sync off: SGLang always agrees; use --sync legacy (its code before the fixes) or fixed"),
         (c.storage_backend != "mooncake", "--hicache-storage-backend mooncake: SGLang's file backend only, for now"),
         (not p.fault and not c.skip_load_wait, "--fault / --skip-load-wait inject into the lab's cache: drop them"),
+        (
+            c.storage_writers == "every-rank",
+            "--hicache-storage-writers one is the lab's: SGLang's file backend writes from every rank (MHA KV)",
+        ),
         (not c.copy_checksum, "--copy-checksum checks the lab's copies: SGLang's are checked by --check-outputs"),
         (not p.sync_impls, "--sync-impl replaces the lab's agreement: SGLang's is its own"),
         (not cfg.record_cache_ops, "--record-cache-ops records the lab's cache for `conform`: use `compare`"),

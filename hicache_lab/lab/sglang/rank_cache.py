@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from pathlib import Path
 
 import torch
 
@@ -142,7 +143,19 @@ class SGLangRankCache(SGLangCache):
         return None
 
     def summary(self) -> dict:
-        return {"sglang": {"prefetch": self.cache.prefetch_outcome_stats_snapshot()}} if self.controller else {}
+        """SGLang's prefetch counters, and in the lab's terms (`storage`, as the lab's storage tier reports them):
+        prefetches issued, declined for the rate limit, revoked, and the pages of this rank's keys in the store."""
+        if self.controller is None or not self.cache.enable_storage:
+            return {}
+        stats = self.cache.prefetch_outcome_stats_snapshot()
+        backend = self.controller.storage_backend
+        storage = {
+            "prefetches": stats["issued"],
+            "rate_limited": stats["declined_rate_limited"],
+            "revoked": stats["revoked_insufficient"] + stats["revoked_full_miss"],
+            "pages_backed_up": len(list(Path(backend.file_path).glob(f"*{backend.config_suffix}.bin"))),
+        }
+        return {"storage": storage, "sglang": {"prefetch": stats}}
 
     def close(self) -> None:
         """SGLang's storage threads stop; the copy engine finishes."""

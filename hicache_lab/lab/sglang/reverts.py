@@ -13,6 +13,7 @@ named in `NO_SGLANG_SITE`: with SGLang's cache they are what 0.5.23 does, on or 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import inspect
 import types
@@ -27,21 +28,21 @@ from .cache import sglang_modules
 MIN = dist.ReduceOp.MIN
 
 
-def _attn_tp_only(self, tensor: torch.Tensor, op) -> None:
+def _attn_tp_only(self, tensor: torch.Tensor, op, *, released) -> None:
     """Before #20460: the attention-TP group only; CP peers never agree."""
     group = self.attn_tp_group
     if group is not None and dist.get_world_size(group=group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def _each_stage_alone(self, data: torch.Tensor, tp_reduce_op) -> None:
+def _each_stage_alone(self, data: torch.Tensor, tp_reduce_op, *, released) -> None:
     """Before #27285: every stage agrees with its own attention peers; nothing is relayed down the pipeline."""
     self._all_reduce_attn_groups(data, tp_reduce_op)
 
 
-def _every_stage_polls(self):
-    """Before #27285/#27010: every stage counts its own finished acks (no PP-rank-0 count to relay); before the
-    load-ack agreement, load acks are each rank's own."""
+def _every_stage_polls(self, *, released):
+    """Before #27285/#27010: every stage counts its own finished acks (no PP-rank-0 count to relay) and agrees
+    them with its attention peers only (`_all_reduce`, reverted with it)."""
     cc = self.cache_controller
     names = tuple(getattr(cc, "extra_host_mem_release_queues", {})) if self.enable_storage else ()
     queues = (
@@ -50,14 +51,26 @@ def _every_stage_polls(self):
         else ()
     )
     sizes = [q.qsize() for q in queues] + [cc.extra_host_mem_release_queues[n].qsize() for n in names]
-    counts = torch.tensor([self._count_ready_acks(cc.ack_write_queue), *sizes], dtype=torch.int64)
+    own = [self._count_ready_acks(cc.ack_write_queue), self._count_ready_acks(cc.ack_load_queue)]
+    counts = torch.tensor([*own, *sizes], dtype=torch.int64)
     self._all_reduce(counts, MIN)
-    load_acks = self._count_ready_acks(cc.ack_load_queue)
     values = list(map(int, counts.tolist()))
-    return values[0], load_acks, tuple(values[1:]), names
+    return values[0], values[1], tuple(values[2:]), names
 
 
-def _prefetch_groups_tp_only(self):
+def _own_load_acks(self, finish_count=None, *, released):
+    """Before load acks were agreed (the first link of #26921's chain): a rank consumes the load acks it sees
+    finished itself, whatever count the ranks agreed."""
+    return released(self, self._count_ready_acks(self.cache_controller.ack_load_queue))
+
+
+def _reap_by_polling(self, *, released):
+    """Before #28916: the relay sends are reaped by polling instead of waited for. gloo's `is_completed()` stays
+    False until `wait()`, so none is reaped and the list grows with every step (#28902: ~12 GB/h on PP0)."""
+    self.work_list[:] = [work for work in self.work_list if not work.is_completed()]
+
+
+def _prefetch_groups_tp_only(self, *, released):
     """Before #20460/#27010: the storage threads agree over the TP group of their stage alone."""
     from sglang.srt.distributed.parallel_state import create_custom_parallel_group  # imported once sglang is
 
@@ -75,7 +88,7 @@ class Revert:
     name: str  # the function replaced
     pr: str  # the PR whose lines it undoes
     holds: tuple[str, ...]  # lines of 0.5.23's function that the revert undoes: they must be there
-    replacement: Callable
+    replacement: Callable  # (self, *args, released=0.5.23's function): the lab's own code of the older behaviour
 
     @property
     def where(self) -> str:
@@ -134,12 +147,28 @@ REVERTS = (
         ("base_groups = [self.attn_cp_group, self.attn_tp_group]", "base_groups.append(self.pp_group)"),
         _prefetch_groups_tp_only,
     ),
+    Revert(
+        "agree_loads",
+        URC,
+        "UnifiedRadixCache",
+        "loading_check",
+        "the load-ack agreement (#26921's first link)",
+        ("while finish_count > 0:",),
+        _own_load_acks,
+    ),
+    Revert(
+        "bounded_drain",
+        URC,
+        "UnifiedRadixCache",
+        "_drain_async_work",
+        "#28916",
+        ("work.wait()", "self.work_list.clear()"),
+        _reap_by_polling,
+    ),
 )
 # Lab fixes with no site in 0.5.23 to revert: SGLang's cache does what 0.5.23 does whatever they are.
 NO_SGLANG_SITE = (
-    "agree_loads",  # 0.5.23 agrees load acks in the same tensor as write acks: reverted with pp_relay
     "host_capacity_min",
-    "bounded_drain",
     "storage_keys",
     "multi_hop_relay",
     "always_agree",
@@ -160,17 +189,17 @@ def applied(reverts: list[Revert], built: Callable[[], dict]):
     built), then bound to the objects built (`built()`: owner class name -> object) and the classes restored:
     the replacements live in this rank's own objects only (a one-rank run shares its process with its caller)."""
     targets = [(revert, *revert.target()) for revert in reverts]  # every one checked before any is applied
-    for revert, owner, _ in targets:
-        setattr(owner, revert.name, revert.replacement)
+    for revert, owner, original in targets:
+        setattr(owner, revert.name, functools.partialmethod(revert.replacement, released=original))
     try:
         yield
     finally:
         for revert, owner, original in targets:
             setattr(owner, revert.name, original)
     objects = built()
-    for revert in reverts:
-        if objects.get(revert.owner) is not None:
-            setattr(objects[revert.owner], revert.name, types.MethodType(revert.replacement, objects[revert.owner]))
+    for revert, _, original in targets:
+        if (obj := objects.get(revert.owner)) is not None:
+            setattr(obj, revert.name, types.MethodType(functools.partial(revert.replacement, released=original), obj))
 
 
 def described(reverts: list[Revert]) -> list[str]:
