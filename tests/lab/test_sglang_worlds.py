@@ -15,6 +15,7 @@ from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB, run
 from hicache_lab.lab.check.compare import compare
 from hicache_lab.lab.check.mutants import Mutant
+from hicache_lab.lab.check.zoo import ENTRIES, consistent, not_on_sglang, reproduce
 from hicache_lab.lab.presets import WORLD, config
 from hicache_lab.lab.sglang import reverts
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
@@ -90,3 +91,17 @@ def test_compare_is_equal_on_cp2_and_catches_max_for_min(tmp_path):
     bent = compare(cfg, tmp_path / "bent", LAB, (Mutant("max_for_min"),))
     assert not bent.equal
     assert bent.differences[0].quantity == "acks_write"
+
+
+def test_the_zoo_says_which_entries_run_on_sglangs_cache():
+    runnable = {name for name, entry in ENTRIES.items() if not_on_sglang(entry) is None}
+    assert {"write_acks", "load_acks", "relay_send_growth", "write_back_heads"} <= runnable
+    assert "lab's key format" in not_on_sglang(ENTRIES["storage_hits_per_stage"])
+    assert "--fault" in not_on_sglang(ENTRIES["pop_empty"])
+
+
+@pytest.mark.spawns
+def test_the_relay_send_leak_reverted_in_sglangs_cache_grows_and_released_does_not(tmp_path):
+    broken, fixed = reproduce(ENTRIES["relay_send_growth"], tmp_path, cache_impl="sglang")
+    assert broken.symptom and "never freed" in broken.symptom
+    assert consistent(fixed)

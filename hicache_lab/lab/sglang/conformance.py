@@ -2,13 +2,13 @@
 
 A run with `--record-cache-ops` writes every operation its scheduler asked of its cache, with the lab's answers
 (lab/sglang/recording.py). `replay` (`python -m hicache_lab conform RUN_DIR`) sends the same operations, in the same
-order, to SGLang's cache (sglang_ref.py), and each answer is compared with the lab's: matched device length and
+order, to SGLang's cache (cache.py), and each answer is compared with the lab's: matched device length and
 slots, host hit length, room, load-back length, inserted prefix, the slots and node a prefill's insert hands back
 (`cache_unfinished_req`), whether eviction freed what a decode step needs, acks consumed, loads started, copies
 in flight, and free device / host slots and evictable tokens after every operation. The two caches number their
 slots and nodes differently, so the replay keeps a map from the lab's to SGLang's, built from the answers
 (`alloc_device`, load backs) and checked by every later one: a match must name the same KV in both. Each copy
-finishes in SGLang at the step the recorded rank consumed its ack (`sglang_ref.AgreedCompletion`). Where the
+finishes in SGLang at the step the recorded rank consumed its ack (`completion.AgreedCompletion`). Where the
 answers differ the lab's decisions are kept (its next operations are replayed as recorded), so later rounds show
 what the difference led to.
 """

@@ -1,5 +1,5 @@
 """SGLang beside the lab: its own synchronization source (notebooks 02 and 03, where sglang 0.5.23 is installed:
-`make` installs it, and sglang_cpu.py lets it import beside a CPU torch), and its bench_multiturn results read
+`make` installs it, and cpu.py lets it import beside a CPU torch), and its bench_multiturn results read
 for `run --compare-sglang LOG` (figures/against_sglang.py prints and plots them beside a run's hit rates).
 
 SGLang moved HiCache between releases (`mem_cache/hiradix_cache.py`; in 0.5.23 `mem_cache/unified_radix_cache.py`),
