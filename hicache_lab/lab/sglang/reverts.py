@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ...parallel_config import SYNC_FIXES
 from .cache import sglang_modules
 
 MIN = dist.ReduceOp.MIN
@@ -166,16 +167,9 @@ REVERTS = (
         _reap_by_polling,
     ),
 )
-# Lab fixes with no site in 0.5.23 to revert: SGLang's cache does what 0.5.23 does whatever they are.
-NO_SGLANG_SITE = (
-    "host_capacity_min",
-    "storage_keys",
-    "multi_hop_relay",
-    "always_agree",
-    "alloc_agreement",
-    "prefetch_vote",
-    "prefetch_completion",
-)
+# The lab's fixes with no site in 0.5.23 to revert (lab proposals, closed PRs, fixes of other releases): SGLang's
+# cache does what 0.5.23 does whatever they are.
+NO_SGLANG_SITE = tuple(fix for fix in SYNC_FIXES if fix not in {revert.fix for revert in REVERTS})
 
 
 def reverts_for(fixes: frozenset[str]) -> list[Revert]:
