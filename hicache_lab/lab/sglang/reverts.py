@@ -153,7 +153,7 @@ REVERTS = (
         URC,
         "UnifiedRadixCache",
         "loading_check",
-        "the load-ack agreement (#26921's first link)",
+        "the load-ack agreement",
         ("while finish_count > 0:",),
         _own_load_acks,
     ),
