@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from .errors import require, require_choice, require_numbers
 
 SYNC_MODES = ("off", "legacy", "fixed")
-# The fixes `fixed` applies and `legacy` lacks; each can be switched alone (cache_sync.py says what each does).
+# Every fix `legacy` lacks; each can be switched alone (cache_sync.py says what each does).
 SYNC_FIXES = (
     "pp_relay",
     "cp_groups",
@@ -23,6 +23,12 @@ SYNC_FIXES = (
     "prefetch_vote",
     "prefetch_completion",
 )
+# Fixes no release contains: proposals, each opt-in by name (`--enable-fix NAME`), with its PR. `fixed` is
+# released SGLang 0.5.23: every other fix, and none of these.
+PROPOSALS = {
+    "alloc_agreement": "#31425, open: every rank allocates a copy's slots or none (reserve/commit)",
+    "prefetch_vote": "#38273, closed without merging: a rank without a request's prefetch votes anyway",
+}
 # Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
 LEGACY_FIXES: tuple[str, ...] = ()
 FAULTS = (
@@ -125,7 +131,8 @@ class ParallelConfig:
 
     @property
     def fixes(self) -> frozenset[str]:
-        implied = set(SYNC_FIXES) if self.sync == "fixed" else set(LEGACY_FIXES) if self.sync == "legacy" else set()
+        released = set(SYNC_FIXES) - set(PROPOSALS)
+        implied = released if self.sync == "fixed" else set(LEGACY_FIXES) if self.sync == "legacy" else set()
         return frozenset((implied | set(self.enable_fixes)) - set(self.disable_fixes))
 
     @property

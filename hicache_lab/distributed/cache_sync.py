@@ -6,7 +6,9 @@ changes, so that every rank takes identical cache decisions. The modes:
 * `off`    - no agreement: each rank trusts its own polls.
 * `legacy` - SGLang before both fixes: write acks agreed (MIN) over the attention-TP group only; load acks
              not agreed; no relay down the pipeline.
-* `fixed`  - every fix below: only PP rank 0 polls; it agrees with its attention-CP and attention-TP peers;
+* `fixed`  - released SGLang 0.5.23, every fix below but the two no release has (`alloc_agreement`,
+             `prefetch_vote`: `parallel_config.PROPOSALS`, on only by name): only PP rank 0 polls; it agrees
+             with its attention-CP and attention-TP peers;
              the count is relayed down the pipeline (`_pp_sync`); every rank consumes exactly that many
              acks, waiting on its own copies where they are not done yet.
 

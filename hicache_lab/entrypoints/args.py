@@ -23,7 +23,7 @@ from ..config import (
     RunConfig,
     WorkloadConfig,
 )
-from ..parallel_config import SYNC_FIXES, SYNC_IMPL_SLOTS, SYNC_MODES, ParallelConfig
+from ..parallel_config import PROPOSALS, SYNC_FIXES, SYNC_IMPL_SLOTS, SYNC_MODES, ParallelConfig
 
 
 def finite_float(text: str) -> float:
@@ -244,7 +244,9 @@ SWITCHES = [
                 "action": "append",
                 "default": [],
                 "choices": SYNC_FIXES,
-                "help": f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md",
+                "help": f"{verb} one sync fix on top of --sync (repeatable); see SYNC.md. Not in any release, so "
+                "off in --sync fixed (SGLang 0.5.23) and only ever on by name: "
+                + ", ".join(f"{name} ({pr.split(':')[0]})" for name, pr in PROPOSALS.items()),
             },
         )
         for verb in ("enable", "disable")

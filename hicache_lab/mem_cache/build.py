@@ -82,7 +82,7 @@ def one_rank_cache(
     cfg: CacheConfig, groups: Groups | None = None, *, num_layers: int = 2, check_copies: bool = False, seed: int = 0
 ) -> tuple[DeviceKVPool, RadixCache]:
     """`build_cache` for a world of one: the agreements run on its size-1 groups (`groups`, or built here on the
-    default process group, which must exist), with every fix, as on many ranks; the pools hold `num_layers`
+    default process group, which must exist), with `--sync fixed`'s fixes, as on many ranks; the pools hold `num_layers`
     layers of one head of 2 dimensions on the CPU."""
     if groups is None:
         groups = build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())

@@ -17,7 +17,7 @@ from hicache_lab.distributed.cache_sync import MAX, CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.entrypoints.launch import join_world, spawn_ranks
 from hicache_lab.errors import ConsensusError
-from hicache_lab.parallel_config import ParallelConfig
+from hicache_lab.parallel_config import PROPOSALS, ParallelConfig
 
 pytestmark = pytest.mark.spawns
 
@@ -26,7 +26,9 @@ WORLDS = {"pp3": (1, 1, 3), "tp2cp2": (2, 2, 1)}
 
 
 def _fixes(sync: str, off: tuple[str, ...] = ()) -> frozenset[str]:
-    return ParallelConfig(sync=sync, disable_fixes=off).fixes
+    """The mode's fixes less `off`; `fixed` with the proposals on too (the allocation vote is checked here)."""
+    proposals = tuple(PROPOSALS) if sync == "fixed" else ()
+    return ParallelConfig(sync=sync, enable_fixes=proposals, disable_fixes=off).fixes
 
 
 def _scenarios(rank: int, groups) -> dict[str, object]:

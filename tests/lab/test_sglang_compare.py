@@ -34,8 +34,7 @@ def test_compare_is_equal_on_cp2_and_catches_max_for_min(tmp_path):
 
 @pytest.mark.spawns
 def test_compare_catches_a_relay_that_skips_a_stage(tmp_path):
-    """PP = 3 with 0.5.23's agreements only (no allocation or prefetch vote, which 0.5.23 lacks: row N1)."""
-    cfg = config(WORLD, "--pp 3 --num-rounds 2 --disable-fix alloc_agreement --disable-fix prefetch_vote")
+    cfg = config(WORLD, "--pp 3 --num-rounds 2")
     bent = compare(cfg, tmp_path, LAB, (Mutant("relay_skips_stage"),))
     first = bent.differences[0]
     assert (first.where, first.quantity, first.lab, first.sglang) == ("step 0, rank 1", "relay_sent", 0, 1)

@@ -33,8 +33,8 @@ KEPT = (
     (
         "N1",
         lambda cfg: cfg.parallel.pp > 1 and bool({"alloc_agreement", "prefetch_vote"} & cfg.parallel.fixes),
-        "`--sync fixed` adds agreements no release has (the allocation vote of #31425, the prefetch vote of "
-        "#38273): more relay sends down the pipeline than 0.5.23's one per step",
+        "the proposals turned on by name (`--enable-fix`: the allocation vote of #31425, the prefetch vote of "
+        "#38273) are agreements no release has: more relay sends down the pipeline than 0.5.23's one per step",
     ),
     (
         "V1",

@@ -23,10 +23,7 @@ BASE = ("--num-clients", "8", "--num-rounds", "4", "--max-total-tokens", "512", 
 L3 = ("--hicache-storage-backend", "file", "--flush-cache-between-rounds")
 WORLDS = (  # (name, flags beyond BASE)
     ("PP 2", ("--pp", "2")),
-    (
-        "PP 2, 0.5.23's agreements only",
-        ("--pp", "2", "--disable-fix", "alloc_agreement", "--disable-fix", "prefetch_vote"),
-    ),
+    ("PP 2, the proposals on", ("--pp", "2", "--enable-fix", "alloc_agreement", "--enable-fix", "prefetch_vote")),
     ("PP 3", ("--pp", "3", "--num-layers", "3")),
     ("PP 4", ("--pp", "4")),
     ("TP 2 x PP 2", ("--tp", "2", "--pp", "2")),

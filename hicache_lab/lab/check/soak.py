@@ -11,7 +11,9 @@ rank in a third of the cases (`alloc-fail:R@N`, its Nth slot allocation for a co
 store, `damage-page:R@N`, the Nth page it reads is damaged on disk), in a quarter a pause of one rank
 (SIGSTOP, then SIGCONT 1-4 s later: well inside the collective timeout), and a workload seed. The same case
 then runs once in each mode (`fixed`, `legacy`), as its own `python -m hicache_lab run` process group with a
-hard wall-clock limit. A run is counted as
+hard wall-clock limit. A `fixed` case with an allocation fault also turns on the proposals that answer it
+(`parallel_config.PROPOSALS`: #31425, #38273), which no release has: released 0.5.23 fails there, as SGLang
+did. A run is counted as
 
 * a **hang** if it outlives the limit (its whole process group is killed),
 * a **crash** if any rank raised or ended without a result,
@@ -42,7 +44,7 @@ from ...config import PREFETCH_POLICIES, WRITE_POLICIES
 from ...entrypoints.args import finite_float
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
-from ...parallel_config import SYNC_MODES
+from ...parallel_config import PROPOSALS, SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
 from .hostile.command import add_hostile_flags, cmd_hostile
 from .hostile.common import forked_ranks
@@ -86,6 +88,8 @@ class Case:
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
         if self.fault:
             args += ["--fault", self.fault]
+            if mode == "fixed" and self.fault.startswith("alloc-fail"):  # 0.5.23 has no answer to it: the proposals
+                args += [f for name in PROPOSALS for f in ("--enable-fix", name)]
         if self.storage:
             args += ["--hicache-storage-backend", "file", "--hicache-storage-prefetch-policy", self.prefetch_policy]
             args += ["--storage-prefetch-threshold", "16"]
