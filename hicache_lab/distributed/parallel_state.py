@@ -110,11 +110,12 @@ def get_attn_cp_rank_and_size(groups: Groups) -> tuple[int, int]:
 
 
 def stage_layers(num_layers: int, pp: int, pp_rank: int, partition: tuple[int, ...] = ()) -> range:
-    """Contiguous layer ranges: as `partition` says, or earlier stages taking the remainder (4 layers over
-    3 stages: 2, 1, 1)."""
+    """Contiguous layer ranges: as `partition` says, or the last stages taking the remainder, one layer each
+    (4 layers over 3 stages: 1, 1, 2), as SGLang's `get_pp_indices`."""
     if partition:
         start = sum(partition[:pp_rank])
         return range(start, start + partition[pp_rank])
     base, extra = divmod(num_layers, pp)
-    start = pp_rank * base + min(pp_rank, extra)
-    return range(start, start + base + (pp_rank < extra))
+    plain = pp - extra  # the first stages, without an extra layer
+    start = pp_rank * base + max(0, pp_rank - plain)
+    return range(start, start + base + (pp_rank >= plain))

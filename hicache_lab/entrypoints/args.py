@@ -225,8 +225,8 @@ SWITCHES = [
             "type": layer_counts,
             "default": (),
             "metavar": "N,N,...",
-            "help": "layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; default: even, earlier stages take the "
-            "rest)",
+            "help": "layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION; default: even, the last stages take the "
+            "rest, as SGLang's get_pp_indices)",
         },
     ),
     (

@@ -10,11 +10,13 @@ import dataclasses
 
 import pytest
 
+from hicache_lab.distributed.parallel_state import stage_layers
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import run
 from hicache_lab.lab.presets import WORLD, config
 from hicache_lab.lab.sglang import reverts
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
+from hicache_lab.lab.sglang.cache import sglang_modules
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
 
 pytestmark = pytest.mark.skipif(
@@ -56,6 +58,16 @@ def test_a_revert_refuses_a_function_that_no_longer_holds_the_lines_it_undoes():
     }
     assert "UnifiedRadixCache._all_reduce (#27285 undone)" in reverts.described(reverts.REVERTS)
     assert reverts.reverts_for(config(WORLD).parallel.fixes) == []
+
+
+def test_stage_layers_split_a_model_as_sglangs_get_pp_indices():
+    sglang_modules()
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    for layers in range(1, 9):
+        for pp in range(1, layers + 1):
+            ours = [stage_layers(layers, pp, rank) for rank in range(pp)]
+            assert [(r.start, r.stop) for r in ours] == [get_pp_indices(layers, rank, pp) for rank in range(pp)]
 
 
 def test_a_one_rank_legacy_run_reverts_its_own_cache_only(tmp_path):

@@ -70,7 +70,8 @@ def test_cp_fix_alone_is_what_keeps_cp_peers_together(world_config, tmp_path):
 
 
 def test_host_pools_sized_in_bytes_agree_on_the_smallest(world_config, tmp_path):
-    """3 layers over 2 stages (2 + 1): --hicache-size in bytes fits twice the tokens on stage 1."""
+    """3 layers over 2 stages (1 + 2, as SGLang's get_pp_indices): --hicache-size in bytes fits twice the tokens
+    on stage 0."""
 
     def host_free_at_start(**fixes):
         cfg = world_config(pp=2, **fixes)
@@ -81,7 +82,7 @@ def test_host_pools_sized_in_bytes_agree_on_the_smallest(world_config, tmp_path)
         return {row["rank"]: row["host_free"] for row in read_trace(out) if row["step"] == 0}
 
     assert host_free_at_start() == {0: 390, 1: 390}
-    assert host_free_at_start(disable_fixes=("host_capacity_min",)) == {0: 390, 1: 781}
+    assert host_free_at_start(disable_fixes=("host_capacity_min",)) == {0: 781, 1: 390}
 
 
 def test_a_failing_rank_brings_the_world_down_in_seconds(world_config, tmp_path):
