@@ -1,18 +1,19 @@
 """SGLang's own cache as the lab's reference: sglang 0.5.23's `UnifiedRadixCache` (with its
-`HybridCacheController` and `MHATokenToKVPoolHost` for the host tier), built on CPU in this process with small
-pools (`layer_first` host layout, the `direct` io backend), answering the questions the lab's scheduler asks
-its cache (`mem_cache/base.BasePrefixCache`), in the lab's terms: token tuples in, lengths and slot tensors out.
+`HybridCacheController` and `MHATokenToKVPoolHost` for the host tier), built on CPU in this process (the
+`direct` io backend, the run's host layout), answering the questions the lab's scheduler asks its cache
+(`mem_cache/base.BasePrefixCache`), in the lab's terms: token tuples in, lengths and slot tensors out.
 
 Nothing here decides anything: each method calls SGLang's own entry point, the one SGLang's scheduler calls
 (`match_prefix`, `inc_lock_ref` / `dec_lock_ref`, `init_load_back`, `evict`, `insert`, `check_hicache_events`,
 `ready_to_load_host_cache`, `evict_host`, `reset`). What the lab supplies is the world around the cache:
 
-* no torch.distributed world: SGLang's agreements (`_all_reduce`, `_pp_sync`) are no-ops without a cache group
-  and with `pp_size = 1`, so the ranks' agreement is what this one rank sees;
+* its place: without a `world` (the conformance replay) there is no torch.distributed world, and SGLang's
+  agreements (`_all_reduce`, `_pp_sync`) are no-ops without a cache group and with `pp_size = 1`; with one
+  (world.py, `run --cache-impl sglang`: rank_cache.py) they run over the rank's real process groups;
 * the copies' completion: on CPU SGLang's copies finish as they are issued, so each copy's finish event is
-  replaced by one from `clock`, a `CopyEngine` that says when the copy is done: the lab's own virtual latency
-  model (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (completion.py:
-  each copy finishes at the step the recorded rank consumed it).
+  replaced by one from `clock`, a `CopyEngine` that says when the copy is done: the lab's own latency model
+  (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (completion.py: each
+  copy finishes at the step the recorded rank consumed it).
 
 `conformance.py` drives this and the lab's cache with the same operations and compares their answers.
 """
