@@ -35,6 +35,8 @@ def test_what_sglangs_cache_cannot_run_is_refused_before_any_rank_starts():
         ("--pp 2 --fault kill-rank:0@3", "--fault"),
         ("--disable-fix alloc_agreement", "no site for it to revert"),
         ("--record-cache-ops", "use `compare`"),
+        ("--load-back-threshold 20", "fixed at 10"),
+        ("--storage-prefetch-timeout-steps 9", "waits in seconds"),
     ):
         cfg = config(WORLD, SGLANG, flags)
         assert any(words in reason for reason in refusals(cfg)), flags

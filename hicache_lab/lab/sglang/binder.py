@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from ...config import RunConfig
+from ...config import CacheConfig, RunConfig
 from ...distributed.cache_sync import CacheSync
 from ...entrypoints.binders import Binder
 from ...errors import ConfigError
@@ -20,6 +20,8 @@ from . import reverts
 from .cpu import prepare_imports
 from .rank_cache import SGLangRankCache
 from .world import sglang_world
+
+DEFAULTS = CacheConfig()  # a lab-only knob set to anything else would do nothing in SGLang's cache: refused
 
 
 def refusals(cfg: RunConfig) -> list[str]:
@@ -34,6 +36,15 @@ def refusals(cfg: RunConfig) -> list[str]:
         (
             c.storage_writers == "every-rank",
             "--hicache-storage-writers one is the lab's: SGLang's file backend writes from every rank (MHA KV)",
+        ),
+        (
+            c.load_back_threshold == DEFAULTS.load_back_threshold,
+            "--load-back-threshold is the lab's knob: SGLang's is fixed at 10 (init_hicache); drop it",
+        ),
+        (
+            c.prefetch_timeout_steps == DEFAULTS.prefetch_timeout_steps,
+            "--storage-prefetch-timeout-steps is the lab's virtual deadline: SGLang's `timeout` waits in seconds "
+            "(--prefetch-timeout-base, --prefetch-timeout-per-ki-token)",
         ),
         (not c.copy_checksum, "--copy-checksum checks the lab's copies: SGLang's are checked by --check-outputs"),
         (not p.sync_impls, "--sync-impl replaces the lab's agreement: SGLang's is its own"),
