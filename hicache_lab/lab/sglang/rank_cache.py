@@ -87,7 +87,9 @@ class SGLangRankCache(SGLangCache):
 
     def check_prefetch_progress(self, rid: int) -> int | None:
         """SGLang's `check_prefetch_progress`, then `pop_prefetch_loaded_span`: None while it waits, else the
-        tokens it put in the tree; the admission that follows closes SGLang's accounting of it."""
+        tokens it put in the tree. SGLang's scheduler closes the prefetch's accounting at the admission that
+        follows (`finish_storage_prefetch_admission`); the lab's asks no more of it, so it is closed here, with
+        every loaded token counted as fulfilled (it feeds SGLang's metrics and its wait's deadline only)."""
         handle = self.handles.get(rid)
         if handle is None:
             return 0
