@@ -35,9 +35,14 @@ class HiRadixEviction:
     _traced_evictions: list[list[int]]  # [node id, tokens] evicted from the device since the last step record
 
     def _evict_leaf(self, node: TreeNode) -> int:
-        """A backed-up leaf loses only its device copy; write_back copies it to the host first."""
+        """A backed-up leaf loses only its device copy; write_back copies it to the host first. One that still has
+        no host copy leaves the tree with its host-only subtree, unless a host copy there is protected (storage
+        reads or writes it, or it anchors a prefetch: `host_ref` counts them up to the root): then it stays on the
+        device and frees nothing, as SGLang 0.5.23's `drop_subtree_no_host` declines."""
         if not node.backuped and self.cfg.write_policy == "write_back":
             self._write_back(node)
+        if not node.backuped and node.host_ref > 0:
+            return 0
         freed = len(node.value)
         self._traced_evictions.append([node.id, freed])
         self.device_alloc.free(node.value)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
@@ -135,4 +136,40 @@ def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
     assert len(upper.key) == 8 and upper.parent is cache.tree.root
     lower = cache.match_prefix(whole).last_device_node
     assert backend.batch_exists(node_hashes(upper, cfg.page_size) + node_hashes(lower, cfg.page_size)) == 16
+    cache.close()
+
+
+def test_a_write_back_that_finds_the_host_full_keeps_a_subtree_storage_still_reads(groups, tmp_path):
+    """write_back, a file L3, a host held full by copies whose L3 backups are still being written: evicting the
+    device leaf above one of them finds no host room for its own copy. SGLang's `drop_subtree_no_host`
+    declines to drop a subtree that holds a host lock (the node stays on the device); dropping it would free host
+    slots the backup is still reading, and a later host write would put other bytes under the backup's key
+    (review N4)."""
+    cfg = CacheConfig(
+        max_total_tokens=64,
+        hicache_ratio=1.5,  # 96 host tokens: six 16-token copies
+        enable_hierarchical_cache=True,
+        write_policy="write_back",
+        storage_backend="file",
+        prefetch_threshold=4,
+        max_copy_delay_steps=3,
+    )
+    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))
+    head, tail = tuple(range(16)), tuple(range(100, 116))
+    held = cache.alloc_device(16)
+    cache.insert(head, held)
+    cache.insert(head + tail, torch.cat([held, cache.alloc_device(16)]))  # a node for each
+    assert cache.evict(16) == 16  # the tail: written back to the host, its L3 backup pending (never advanced)
+    for i in range(5):  # five more copies fill the host, each with its backup pending
+        cache.insert(tuple(range(200 + 16 * i, 216 + 16 * i)), cache.alloc_device(16))
+        cache.match_prefix(head)  # the head stays the most recently used device leaf
+        assert cache.evict(16) == 16
+    assert cache.host_alloc.available_size() == 0
+    before = cache.match_prefix(head + tail)
+    assert before.host_hit_length == 16
+    cache.evict(16)  # only the head is left to evict, and the host has no room for its copy
+    after = cache.match_prefix(head + tail)
+    assert len(after.device_indices) == 16 and after.host_hit_length == 16  # head on the device, tail on the host
+    assert torch.equal(after.device_indices, before.device_indices)
     cache.close()
