@@ -73,7 +73,7 @@ def _reap_by_polling(self, *, released):
 
 def _prefetch_groups_tp_only(self, *, released):
     """Before #20460/#27010: the storage threads agree over the TP group of their stage alone."""
-    from sglang.srt.distributed.parallel_state import create_custom_parallel_group  # imported once sglang is
+    from sglang.srt.distributed.parallel_state import create_custom_parallel_group  # sglang: only where it runs
 
     group = self.attn_tp_group if self.attn_tp_group is not None else self.tp_group
     if group is None or dist.get_world_size(group=group) == 1:
