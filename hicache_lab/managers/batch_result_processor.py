@@ -25,6 +25,7 @@ class SchedulerBatchResultProcessor:
     cache: BasePrefixCache
     page_size: int
     running_mbs: list[list[Req]]
+    batch_is_full: list[bool]
 
     def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
         """Append each request's sampled token (a chunk before the last samples none); a request goes into the
@@ -49,8 +50,10 @@ class SchedulerBatchResultProcessor:
             elif batch.kind == "prefill":
                 self._cache_unfinished_req(req)  # SGLang's checkpoint after a prefill
         self.cache.flush_pending_backups()  # SGLang: "before the next scheduler step"
-        for running in self.running_mbs:
-            running[:] = [r for r in running if not r.finished]
+        for mb, running in enumerate(self.running_mbs):
+            left = [r for r in running if not r.finished]
+            if len(left) < len(running):
+                running[:], self.batch_is_full[mb] = left, False  # a request left: admission may try again
         return [r for r in answered if r.finished]
 
     # -- into the tree ---------------------------------------------------------------------------------

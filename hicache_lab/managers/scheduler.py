@@ -53,6 +53,9 @@ class Scheduler(SchedulerBatchResultProcessor):
         # in the slot whose batch ran its prefill, and decodes only when that slot comes round again.
         self.running_mbs: list[list[Req]] = [[] for _ in range(micro_batches)]
         self.mb = 0  # the slot being scheduled
+        # Per slot, SGLang's sticky `batch_is_full`: set when admission ran out of rows or device room, cleared
+        # only when a request leaves the slot (finished or retracted) or the slot is empty
+        self.batch_is_full = [False] * micro_batches
         self.chunked_req: Req | None = None  # the one request whose prefill runs in chunks
         self.new_token_ratio = NewTokenRatio()
         self.stats: Counter[str] = Counter()  # chunks, retractions
@@ -120,9 +123,14 @@ class Scheduler(SchedulerBatchResultProcessor):
     def _get_new_batch_prefill(self) -> list[Req]:
         """SGLang's `_get_new_batch_prefill_raw`: the chunked request's next chunk first, then waiting
         requests in order, skipping those whose prefetch is still running, until a budget runs out."""
-        running = self.running_mbs[self.mb]
+        running, mb = self.running_mbs[self.mb], self.mb
         rows = self.max_running - len(self.running) - (self.chunked_req is not None)  # free request rows
-        if self.chunked_req is None and (not self.waiting or min(self.mb_limit - len(running), rows) <= 0):
+        if not running:
+            self.batch_is_full[mb] = False
+        if self.chunked_req is None and (self.batch_is_full[mb] or not self.waiting):
+            return []
+        if self.chunked_req is None and min(self.mb_limit - len(running), rows) <= 0:
+            self.batch_is_full[mb] = True
             return []
         adder = PrefillAdder(
             self.cache, running, self.new_token_ratio.current, self.max_prefill_tokens, self.chunked_prefill_size
@@ -133,12 +141,19 @@ class Scheduler(SchedulerBatchResultProcessor):
         # request (admitted above) already holds
         allocatable = min(self.mb_limit - len(running), rows + len(adder.can_run))
         for req in self.waiting:
-            if adder.budget_state() is AddReqResult.OTHER or len(adder.can_run) >= allocatable:
+            if adder.budget_state() is AddReqResult.OTHER:
+                break
+            if len(adder.can_run) >= allocatable:
+                self.batch_is_full[mb] = True
+            if self.batch_is_full[mb]:  # sticky: set now, or before (a chunked request still runs its chunk)
                 break
             if not self._prefetch_ended(req):
                 continue  # SGLang: "skip staging requests that are ongoing prefetch"
             match = self.cache.match_prefix(match_key(req.fill_ids, self.page_size))
-            if adder.add_one_req(req, match) is not AddReqResult.CONTINUE:
+            result = adder.add_one_req(req, match)
+            if result is AddReqResult.NO_TOKEN:  # full while it has requests to serve
+                self.batch_is_full[mb] = bool(adder.can_run or running)
+            if result is not AddReqResult.CONTINUE:
                 break
         admitted = set(map(id, adder.can_run))
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
@@ -213,6 +228,7 @@ class Scheduler(SchedulerBatchResultProcessor):
         self.cache.free_request(req.slots, req.prefix_len, req.last_node)
         self.cache.evict_to_free(remaining * RETRACT_DECODE_STEPS)
         self.running_mbs[self.mb].remove(req)
+        self.batch_is_full[self.mb] = False
         req.slots, req.prefix_len, req.inserted_len, req.kv_len, req.last_node = req.slots[:0], 0, 0, 0, None
         req.checkpointed = 0
         req.retractions += 1

@@ -1,8 +1,8 @@
 """HiRadixCache: the radix cache plus the host tier (SGLang's `HiRadixCache`, `--enable-hierarchical-cache`).
 
 Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit (both
-only under a backed-up parent, so their host copies stay contiguous from the root; a batch's writes start
-together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
+with its ancestors that have no host copy, top down, so host copies stay contiguous from the root; a batch's
+writes start together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
 consumed, by a count every rank agreed on (`check_hicache_events`). A copy's slots are reserved on every rank or
 on none (`reserve`). Eviction is hiradix_eviction.py's; load back and the insertion of prefetched pages are
 hiradix_load_back.py's. The storage tier moves pages; only this class and its mixins change the tree. Each of
@@ -71,9 +71,20 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
             self.write_backup(node)
 
     def write_backup(self, node: TreeNode) -> int:
-        """Start backing `node` up to the host; it stays locked until the write ack is consumed."""
-        if node.parent is not self.tree.root and not node.parent.backuped:
-            return 0
+        """Start backing `node` up to the host, after each ancestor without a host copy, top down (SGLang 0.5.23's
+        `_build_backup_kv_action`: host copies stay contiguous from the root), stopping at the first that finds
+        no room. Each stays locked until its write ack is consumed. Returns the tokens of `node`'s copy (0: none)."""
+        chain = [node]
+        while chain[-1].parent is not self.tree.root and not chain[-1].parent.backuped:
+            chain.append(chain[-1].parent)
+        written = 0
+        for part in reversed(chain):
+            written = self._start_write(part)
+            if not written:
+                return 0
+        return written
+
+    def _start_write(self, node: TreeNode) -> int:
         make_room(self.host_alloc, len(node.key), self.evict_host)
         host_indices = self.reserve(self.host_alloc, len(node.key), f"the host write of node {node.id}")
         if host_indices is None:

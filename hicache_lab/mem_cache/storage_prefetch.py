@@ -10,8 +10,8 @@ and the read thread reads the pages in batches of 128. After every batch it agre
 (SGLang 0.5.23's progressive prefetch acks, reduced on their own `prefetch_completion_sync_groups`): with
 `prefetch_completion` the MIN over every rank that reads them, across stages too, so a page damaged on one rank
 is a miss on all. At admission (`prefetch_ready`, on the scheduler's groups) PP rank 0 decides whether to stop
-waiting (MAX over its attention peers, relayed down the pipeline), and `take_prefetch` how many of the agreed
-pages to keep (MIN, relayed).
+waiting (MAX over its attention peers of "deadline expired", as 0.5.23, and of "still incomplete", relayed down
+the pipeline), and `take_prefetch` how many of the agreed pages to keep (MIN, relayed).
 
 Prefetches in flight may ask for at most `prefetch_capacity` tokens (`CacheConfig.prefetch_capacity_fraction`
 of the host pool; SGLang 0.5.23: half); one more is skipped. Under `virtual` latency a hit query and each batch
@@ -203,23 +203,22 @@ class StoragePrefetch:
 
     def prefetch_ready(self, rid: int) -> bool:
         """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: PP rank 0 and its
-        attention peers decide (MAX of "not ready": no rank stops while another still waits), later stages
-        take their verdict; their own clocks and polls never decide. With `prefetch_vote` a rank without this
-        prefetch votes too (ready, and 0 pages in `take_prefetch`): where ranks' prefetches differ, every rank
+        attention peers decide, later stages take their verdict; their own clocks and polls never decide.
+        `best_effort` never waits and votes nothing. Otherwise one MAX over [deadline expired, still incomplete]:
+        under `timeout` it stops as soon as any peer's deadline has expired (SGLang 0.5.23's
+        `_can_terminate_prefetch`: MAX of "terminate"; an expiry counts only while the pages have not all
+        arrived, as `_prefetch_deadline_expired`), and under every policy once no peer is still incomplete (the
+        lab's stand-in for completion through SGLang's ack drain). With `prefetch_vote` a rank without this
+        prefetch votes too (complete, and 0 pages in `take_prefetch`): where ranks' prefetches differ, every rank
         still enters the collective, and the pages agreed are none."""
         self._check_worker()
         op = self.prefetches.get(rid)
-        if op is None and "prefetch_vote" not in self.sync.fixes:
-            return True  # before the collective: a peer that has this prefetch waits in it alone (#38273)
-        complete = op is None or self._agreed(op)[1]
-        if op is None or self.cfg.prefetch_policy == "best_effort":
-            ready = True
-        elif self.cfg.prefetch_policy == "wait_complete":
-            ready = complete
-        else:
-            ready = complete or self._timed_out(op)
-        (not_ready,) = self.sync.agree_prefetch_progress([int(not ready)], MAX)
-        return not not_ready
+        if self.cfg.prefetch_policy == "best_effort" or (op is None and "prefetch_vote" not in self.sync.fixes):
+            return True  # without a prefetch: before the collective, so a peer that has it waits alone (#38273)
+        incomplete = op is not None and not self._agreed(op)[1]
+        expired = incomplete and self.cfg.prefetch_policy == "timeout" and self._timed_out(op)
+        expired_anywhere, waiting_anywhere = self.sync.agree_prefetch_progress([int(expired), int(incomplete)], MAX)
+        return bool(expired_anywhere) or not waiting_anywhere
 
     def take_prefetch(self, rid: int) -> tuple[PrefetchOp, int] | None:
         """End request `rid`'s prefetch (after `prefetch_ready`): the op and the pages every rank holds, which the

@@ -154,3 +154,23 @@ def test_a_prefix_split_between_device_and_host_is_unlocked_when_its_request_end
     assert again.finished and again.cached_device == 10 and again.cached_host == 11  # device head, host tail
     assert all(node.lock_ref == 0 for node in s.cache.tree.nodes()), "a lock outlived its request"
     s.cache.check_integrity()
+
+
+def test_a_full_batch_stays_full_until_a_request_leaves(groups):
+    """SGLang's sticky `batch_is_full`: once admission ran out of device room, it is not tried again until a
+    request leaves the batch, even where room has grown meanwhile (here the output estimate decayed)."""
+    s = scheduler(groups, tokens=64)
+    a, b = req(0, list(range(24)), new_tokens=32), req(1, list(range(100, 116)), new_tokens=2)
+    s.add([a, b])
+    batch, _ = step(s, 0)
+    assert [r.rid for r in batch.reqs] == [0] and s.batch_is_full == [True]  # b's 19 slots do not fit
+    s.new_token_ratio.current = 0.1  # a's remaining answer now reserves 3 slots: b would fit
+    batch, _ = step(s, 1)
+    assert batch.kind == "decode" and b in s.waiting
+    iteration = 2
+    while not a.finished:
+        batch, finished = step(s, iteration)
+        assert batch.kind == "decode" and s.batch_is_full == [not finished]  # cleared as a leaves
+        iteration += 1
+    batch, _ = step(s, iteration)
+    assert [r.rid for r in batch.reqs] == [1]

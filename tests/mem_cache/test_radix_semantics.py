@@ -196,3 +196,25 @@ def test_load_back_keeps_its_chain_when_making_room_needs_host_room(groups):
     except AssertionError as exc:
         problems.append(str(exc))
     assert not problems, problems
+
+
+def test_write_through_backs_up_unbacked_ancestors_first(groups, monkeypatch):
+    """SGLang 0.5.23's `_build_backup_kv_action`: a node whose parent has no host copy (its write found no host
+    room) is backed up after that parent, in one batch, parent first. Here the parent is the request's own
+    earlier insert (a prompt checkpointed after its prefill), which its final insert does not count as a hit:
+    0.5.18's rule (only under a backed-up parent) left both without a host copy."""
+    h = Harness(groups, 1, "write_through")
+    key = (7,) * 8 + (8,) * 8
+    req = h.begin(key, False)
+    h.open.remove(req)  # its slots become the tree's below
+    with monkeypatch.context() as patch:
+        patch.setattr(h.cache, "allocate", lambda alloc, tokens: None)  # the prompt's host write finds no room
+        h.cache.insert(key[:8], req.own[:8])
+    parent = h.cache.match_prefix(key[:8]).last_device_node
+    assert not parent.backuped
+    h.cache.insert(key, req.own, inserted_len=8)  # the answer: a child node below the prompt
+    h.cache.flush_pending_backups()
+    child = h.cache.match_prefix(key).last_device_node
+    assert child.parent is parent and parent.backuped and child.backuped
+    assert h.controller.ack_write_queue[-1].node_ids == [parent.id, child.id]
+    h.apply(("sync",))
