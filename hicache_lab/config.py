@@ -62,7 +62,7 @@ class ModelConfig:
 class CacheConfig:
     """The KV cache tiers. Sizes are in tokens; `hicache_size_gb` sizes the host pool in bytes instead."""
 
-    max_total_tokens: int = 4096  # device (L1) pool size, SGLang's --max-total-tokens
+    max_total_tokens: int = 4608  # device (L1) pool size, SGLang's --max-total-tokens
     page_size: int = 1
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # host pool = ratio x device pool
@@ -165,7 +165,7 @@ class WorkloadConfig:
 
     num_clients: int = 16
     num_rounds: int = 8
-    request_length: int = 64
+    request_length: int = 256
     sub_question_input_length: int = 32
     output_length: int = 16
     max_running_requests: int = 16  # requests past admission at once

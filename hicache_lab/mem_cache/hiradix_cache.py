@@ -208,8 +208,8 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         self._consume_writes(agreed["write"])
         self.loading_check(agreed["load"])
         if self.storage is not None:
-            self.storage.take_queries(agreed["prefetch_hit"], self.evict_host, self.allocate)
-            for node in self.storage.release_backups(agreed["backup"]):
+            revoked = self.storage.take_queries(agreed["prefetch_hit"], self.evict_host, self.allocate)
+            for node in revoked + self.storage.release_backups(agreed["backup"]):
                 self.tree.release_host(node)
         return agreed["write"], agreed["load"]
 

@@ -4,7 +4,8 @@ flow).
 When a request arrives, the prefetch thread asks storage how many leading pages of the part of its prompt the
 tree does not hold it has, and agrees on the MIN with its peers on its own gloo groups, across stages too (a
 background thread is not held by the pipeline). The scheduler takes the answers in issue order, by a count
-agreed in the step's check (SGLang's `prefetch_hit_queue`): below the threshold the prefetch is revoked, else
+agreed in the step's check (SGLang's `prefetch_hit_queue`): below the threshold the prefetch is revoked (and
+ends: its rate-limit share and its anchor's protection are released then), else
 host slots are allocated for the hit (evicting from the host; a shorter prefix when the host cannot hold it all)
 and the read thread reads the pages in batches of 128. After every batch it agrees how many pages have arrived
 (SGLang 0.5.23's progressive prefetch acks, reduced on their own `prefetch_completion_sync_groups`): with
@@ -43,6 +44,7 @@ STORAGE_BATCH_PAGES = 128  # pages per storage read (SGLang's default I/O batch)
 
 @dataclass(eq=False)
 class PrefetchOp:
+    rid: int  # the request it fetches for
     anchor: TreeNode  # the deepest matched node: fetched pages hang below it
     tokens: tuple[int, ...]  # page-aligned prompt tokens beyond the anchor
     hashes: list[str]
@@ -77,7 +79,7 @@ class StoragePrefetch:
     host_alloc: PageAllocator
     sync: CacheSync
     step: int
-    prefetches: dict[int, PrefetchOp]  # by request id, until admission takes them
+    prefetches: dict[int, PrefetchOp]  # by request id, until admission takes them or they are revoked
     queries: list[PrefetchOp]  # FIFO of hit queries whose answer the scheduler has not taken
     queues: dict[str, queue.Queue]
     prefetch_capacity: int
@@ -91,7 +93,7 @@ class StoragePrefetch:
             return False
         chain = node_hashes(anchor, self.cfg.page_size)
         hashes = page_hashes(tokens, self.cfg.page_size, chain[-1] if chain else "")
-        op = PrefetchOp(anchor, tokens, hashes, self.step)
+        op = PrefetchOp(rid, anchor, tokens, hashes, self.step)
         op.query_due = self._due(self.queries[-1].query_due if self.queries else 0)
         self.prefetches[rid] = op
         self.queries.append(op)
@@ -119,21 +121,26 @@ class StoragePrefetch:
             done += 1
         return done
 
-    def take_queries(self, count: int, make_room, allocate) -> None:
+    def take_queries(self, count: int, make_room, allocate) -> list[TreeNode]:
         """The agreed `count` answers, in issue order (waiting for this rank's own where needed): a prefetch
-        already ended, or whose hit is below the threshold, is revoked; the others get host slots for their
+        whose hit is below the threshold is revoked, and ends there (SGLang's `_retire_ongoing_prefetch`): it no
+        longer counts toward the rate limit, and its anchor is returned for the tree to release; one already
+        ended is passed over. The others get host slots for their
         hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
         the threshold) and start reading. Allocating needs no agreement of its own: the read thread goes through
         the agreed hit's batches on every rank, and one that could not allocate (all or part of it) reads
         nothing there, so the pages agreed arrived are only those every rank holds."""
-        ps = self.cfg.page_size
+        ps, revoked = self.cfg.page_size, []
         for op in self.queries[:count]:
             while not op.queried.wait(0.05):
                 self._check_worker()
             pages = op.found
             if op.terminated or pages * ps < self.cfg.prefetch_threshold:
-                self.stats.revoked += not op.terminated
                 op.hits = 0
+                if not op.terminated:
+                    self.stats.revoked += 1
+                    del self.prefetches[op.rid]
+                    revoked.append(op.anchor)
                 continue
             if self.host_alloc.available_size() < pages * ps:
                 make_room(pages * ps - self.host_alloc.available_size())
@@ -147,6 +154,7 @@ class StoragePrefetch:
                 op.due.append(previous)
             self.queues["read"].put(op)
         self.queries = self.queries[count:]
+        return revoked
 
     def _read(self, op: PrefetchOp) -> None:
         """The read thread: every batch in turn, then the pages arrived so far agreed (`agree_prefetch_completion`).

@@ -82,7 +82,7 @@ class StorageTier(StoragePrefetch):
         self.rng = np.random.default_rng([seed, rank, 3])
         self.step = 0
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
-        self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until admission takes them
+        self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until admission takes them or revoked
         self.queries: list[PrefetchOp] = []  # FIFO of hit queries whose answer the scheduler has not taken
         self.stats = StorageStats()
         # prefetches in flight may ask for at most this share of the host pool (SGLang 0.5.23: half)

@@ -30,6 +30,15 @@ def deepest_tier(label: str, summary: dict | None = None) -> str | None:
 RUN_STYLES = (("o", "-"), ("s", "--"), ("^", "-."), ("D", ":"))  # (marker, line) of the runs sharing a colour
 
 
+def crash_round(summary: dict) -> int:
+    """The round a crashed run was in: its last row's, or the next one where every client finished that round."""
+    rows = summary["rounds"]
+    if not rows:
+        return 0
+    clients = summary.get("config", {}).get("workload", {}).get("num_clients")
+    return rows[-1]["round"] + (clients is not None and rows[-1]["requests"] >= clients)
+
+
 def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     """Hit rate by round for each run, in the colour of its deepest tier (runs of the same tier differ in marker
     and line style; a run whose tiers are not known takes OTHER_COLORS), with the infinite-cache bound. A
@@ -43,7 +52,7 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
         marker, line = RUN_STYLES[used.get(color, 0) % len(RUN_STYLES)]
         used[color] = used.get(color, 0) + 1
         if summary["crashed"]:
-            label = f"{label} (crashed in round {rows[-1]['round'] if rows else 0})"
+            label = f"{label} (crashed in round {crash_round(summary)})"
         rounds, rates = [r["round"] for r in rows], [100 * r["hit_rate"] for r in rows]
         ax.plot(
             rounds,
@@ -55,8 +64,17 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
             ms=max(9 - 2 * i, 4),
             lw=max(2.6 - 0.6 * i, 1),
         )
-        if summary["crashed"] and rows:
-            ax.plot(rounds[-1], rates[-1], "x", color=OTHER_COLORS[1], ms=13, mew=2.5)
+        if summary["crashed"]:  # on the line where the round has a rate, else on the axis: none of it finished
+            at = crash_round(summary)
+            ax.plot(
+                at,
+                rates[-1] if rounds and rounds[-1] == at else 0,
+                "x",
+                color=OTHER_COLORS[1],
+                ms=13,
+                mew=2.5,
+                clip_on=False,
+            )
         bound = bound or rows
     if bound:
         rounds = [r["round"] for r in bound]

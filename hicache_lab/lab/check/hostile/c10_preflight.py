@@ -111,7 +111,7 @@ SLOW = [  # only in soak --hostile: the rest of the README's table and more of e
     *((f"`{args}` (the README's table)", f"{args} --out out", says) for args, says in [
         ("run --sync maybe", "unknown --sync 'maybe': use one of off, legacy, fixed"),
         ("run --enable-fix nonsense", "argument --enable-fix: invalid choice: 'nonsense'"),
-        ("run --page-size 3", "--max-total-tokens 4096 is not a multiple of --page-size 3: use 4095"),
+        ("run --page-size 5", "--max-total-tokens 4608 is not a multiple of --page-size 5: use 4605"),
         ("run --hicache-size -1", "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)"),
         ("run --pp 5", "--pp 5 needs at least as many layers (--num-layers 4)"),
         ("run --max-total-tokens 100", "--max-total-tokens 100 cannot hold one request of the workload"),
