@@ -98,7 +98,7 @@ class HiRadixLoadBack:
             return
         key = match_key(prompt, self.cfg.page_size)
         match = self.match_prefix(key)
-        anchor = match.last_host_node if match.host_hit_length else match.last_device_node
+        anchor = match.last_host_node
         held = len(match.device_indices) + match.host_hit_length
         if anchor is not self.tree.root and not anchor.backuped:
             return  # storage is written from the host: nothing below an unbacked node can be there

@@ -57,7 +57,7 @@ def evict_lru(leaves: set[TreeNode], num_tokens: int, evict_leaf: Callable[[Tree
 class MatchResult:
     device_indices: torch.Tensor  # device slots of the matched prefix held on the device
     last_device_node: TreeNode  # deepest matched node with a device copy
-    last_host_node: TreeNode  # deepest matched node with a host copy (or the root)
+    last_host_node: TreeNode  # deepest matched node, on either tier (0.5.23's, = its best_match_node; the root if none)
     host_hit_length: int  # matched tokens beyond the device prefix, held on the host only
 
 
@@ -191,8 +191,6 @@ class RadixTree(EvictableIndex):
         while node.value is None:
             host_hit += len(node.host_value)
             node = node.parent
-        while last_host_node.host_value is None:
-            last_host_node = last_host_node.parent
         values = [n.value for n in path if n.value is not None]
         indices = values[0] if len(values) == 1 else torch.cat(values) if values else self.root.value
         return MatchResult(indices, node, last_host_node, host_hit)

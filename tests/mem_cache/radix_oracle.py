@@ -153,9 +153,8 @@ class Checks:
         if self.naive <= anywhere:  # nothing inserted has left the tree
             assert matched == naive, f"matched {matched} tokens of {naive} inserted and still cached"
         assert depth(match.last_device_node) == dev_len and not match.last_device_node.evicted
-        assert match.last_host_node.backuped
-        if match.host_hit_length:
-            assert depth(match.last_host_node) == matched
+        assert depth(match.last_host_node) == matched  # the deepest matched node, on either tier
+        assert match.last_host_node.backuped or not match.host_hit_length
         pending = self.in_flight_slots(self.controller.ack_load_queue, "device_indices")
         keep = torch.tensor([s not in pending for s in match.device_indices.tolist()], dtype=torch.bool)
         where = kv_mismatch(

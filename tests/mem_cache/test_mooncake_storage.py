@@ -24,8 +24,9 @@ NETNS_SETUP = (
     "ip link set lo up && ip link add hcv0 type veth peer name hcv1 && "
     "ip addr add 10.231.0.1/24 dev hcv0 && ip link set hcv0 up && ip link set hcv1 up"
 )
-# not presets.WORKLOAD: these prompts (the default 64-token openings) must outgrow the default prefetch threshold
-SMALL = "--num-clients 4 --num-rounds 3 --num-layers 2 --max-total-tokens 512 --hicache-ratio 4 --collective-timeout 30"
+# not presets.WORKLOAD: these prompts (64-token openings) must outgrow the default prefetch threshold
+SMALL = "--num-clients 4 --num-rounds 3 --num-layers 2 --request-length 64 --max-total-tokens 512 --hicache-ratio 4 "
+SMALL += "--collective-timeout 30"
 STORAGE = "--enable-hierarchical-cache --hicache-storage-backend mooncake --flush-cache-between-rounds "
 STORAGE += "--hicache-storage-prefetch-policy wait_complete --check-outputs"
 

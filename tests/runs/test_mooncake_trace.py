@@ -68,8 +68,8 @@ def test_a_trace_too_short_for_its_windows_or_missing_is_a_configuration_error(t
 def test_replayed_trace_is_served_correctly_and_the_host_tier_keeps_its_prefixes(tmp_path):
     base = RunConfig(workload=WorkloadConfig(trace_file=SAMPLE), check_outputs=True)
     rates = {}
-    for hicache in (False, True):
-        cfg = dataclasses.replace(base, cache=CacheConfig(enable_hierarchical_cache=hicache))
+    for hicache in (False, True):  # a 4,096-token pool: the README's figures
+        cfg = dataclasses.replace(base, cache=CacheConfig(max_total_tokens=4096, enable_hierarchical_cache=hicache))
         summary = run(cfg, tmp_path / str(hicache), verbose=False)
         assert summary["outputs_match_reference"] is True
         rates[hicache] = mean_hit_rate(summary["rounds"], 6, 7)
@@ -111,7 +111,7 @@ def test_run_compares_with_a_bench_multiturn_log_and_rejects_another_file_before
         tmp_path / "log.jsonl",
         [{"tag": "sglang", "summary": {"cache_hit_rate": 0.3}, "round": {"round_1": {"cache_hit_rate": 0.5}}}],
     )
-    small = ["--num-clients", "2", "--num-rounds", "2", "--out", str(tmp_path / "run")]
+    small = ["--num-clients", "2", "--num-rounds", "2", "--request-length", "64", "--out", str(tmp_path / "run")]
     assert main(["run", *small, "--compare-sglang", log]) == 0
     assert "   1  70.5%           50.0%" in capsys.readouterr().out  # the lab's round 1 beside SGLang's
     assert (tmp_path / "run" / "hit_rate_vs_sglang.png").stat().st_size > 0

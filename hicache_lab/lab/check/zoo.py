@@ -87,7 +87,7 @@ ENTRIES = {
             "load_acks",
             "load-back acks consumed as each rank sees them finish, not agreed",
             "loading_check before the fixes (no sync at all): the first link of #26921's chain",
-            "--tp 2 --num-rounds 3",
+            "--tp 2",
             ("agree_loads",),
             expect="on acks_load",
         ),
@@ -106,7 +106,7 @@ ENTRIES = {
             "#25148, #27010 (PP + L3: hit counts agreed over the PP group too)",
             f"--pp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
             ("prefetch_groups",),
-            expect="prefetched pages were agreed",
+            expect="on extend_tokens",
             prepare=evict_half_of_the_last_stage,
         ),
         Entry(
@@ -123,7 +123,7 @@ ENTRIES = {
             "ranks agree on what is in flight, a deadlock once a host write allocated on one rank only made that "
             "differ",
             "#26921, #28429 (writing_check TP deadlock, after hours), #28430; fixed by #27489",
-            "--tp 2 --collective-timeout 5 --fault alloc-fail:1@11",
+            "--tp 2 --collective-timeout 5 --fault alloc-fail:1@15",
             ("always_agree", "alloc_agreement"),
             expect="in check_hicache_events > agree_ack_counts",
         ),
@@ -167,7 +167,7 @@ ENTRIES = {
             "a rank without a request's prefetch returns before check_prefetch_progress's collective, where its "
             "peer waits alone (their prefetches differ after a host write that failed on one rank)",
             "#38273 / #38268 (gloo hang, TP=8, NIXL storage)",
-            f"--tp 2 --collective-timeout 5 {STORAGE_FLAGS} --fault alloc-fail:1@3",
+            f"--tp 2 --collective-timeout 5 {STORAGE_FLAGS} --fault alloc-fail:1@4",
             ("prefetch_vote", "alloc_agreement"),
             expect="in check_prefetch_progress > prefetch_ready",
         ),
