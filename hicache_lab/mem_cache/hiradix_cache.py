@@ -45,6 +45,7 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         self.host_alloc = controller.host_alloc
         self.ongoing_write_through: dict[int, TreeNode] = {}
         self.ongoing_load_back: dict[int, TreeNode] = {}
+        self.prefetch_loaded: dict[int, int] = {}
         self.ready = (0, 0)  # this rank's own view: leading (write, load) acks finished at the last check
         self._observed_writes = 0  # write tokens started as of the last step record
         self._traced_unlocks: list[list[int]] = []  # [node id, tokens] unlocked by consumed acks since then
@@ -188,8 +189,8 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
     def check_hicache_events(self) -> tuple[int, int]:
         """Every step: wait for the previous step's relay sends (SGLang's `_drain_async_work`, #28916), start
         the writes still queued, agree in one collective how many leading write, load (and, with storage, hit
-        query and backup) acks every rank consumes (only PP rank 0's polls count with the PP fix), then consume
-        exactly that many."""
+        query, prefetch batch and backup) acks every rank consumes (only PP rank 0's polls count with the PP
+        fix), then consume exactly that many."""
         self.sync.drain_async_work()
         self.flush_pending_backups()
         self.ready = (
@@ -200,8 +201,10 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         in_flight = {"write": len(self.ongoing_write_through), "load": len(self.ongoing_load_back)}
         if self.storage is not None:
             local["prefetch_hit"] = self.storage.queries_done()
+            local["prefetch"] = self.storage.prefetch_acks_done()
             local["backup"] = self.storage.backups_done()
-            in_flight.update(prefetch_hit=len(self.storage.queries), backup=len(self.storage.backups))
+            reading = sum(len(op.batches()) - op.drained for op in self.storage.reading)
+            in_flight.update(prefetch_hit=len(self.storage.queries), prefetch=reading, backup=len(self.storage.backups))
         if not self.sync.polls_locally():
             local = dict.fromkeys(local, 0)
         agreed = self.sync.agree_ack_counts(local, in_flight)
@@ -209,6 +212,8 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         self.loading_check(agreed["load"])
         if self.storage is not None:
             revoked = self.storage.take_queries(agreed["prefetch_hit"], self.evict_host, self.allocate)
+            for op in self.storage.take_prefetch_acks(agreed["prefetch"]):  # SGLang's _drain_ack_prefetch
+                self.prefetch_loaded[op.rid] = self.insert_prefetched(op)
             for node in revoked + self.storage.release_backups(agreed["backup"]):
                 self.tree.release_host(node)
         return agreed["write"], agreed["load"]

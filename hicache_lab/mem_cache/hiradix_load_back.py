@@ -18,6 +18,7 @@ from .cache_controller import HiCacheController
 from .hiradix_eviction import make_room
 from .memory_pool import PageAllocator
 from .radix_tree import RadixTree
+from .storage_prefetch import PrefetchOp
 from .storage_tier import StorageTier
 from .tree_node import TreeNode
 from .utils import match_key
@@ -34,6 +35,7 @@ class HiRadixLoadBack:
     controller: HiCacheController
     storage: StorageTier | None
     ongoing_load_back: dict[int, TreeNode]  # by the id of a load's last node, until its ack is consumed
+    prefetch_loaded: dict[int, int]  # by request id: tokens its prefetch inserted when its last ack was consumed
 
     # -- load back -----------------------------------------------------------------------------------
 
@@ -112,11 +114,13 @@ class HiRadixLoadBack:
             return 0
         if not self.storage.prefetch_ready(rid):
             return None
-        taken = self.storage.take_prefetch(rid)
-        if taken is None:
-            return 0
-        op, pages = taken
-        n = pages * self.cfg.page_size
+        op = self.storage.take_prefetch(rid)
+        return self.prefetch_loaded.pop(rid, 0) if op is None else self.insert_prefetched(op)
+
+    def insert_prefetched(self, op: PrefetchOp) -> int:
+        """An ended prefetch's pages, those every rank counts as arrived, into the tree below its anchor (host
+        slots it does not use freed, the anchor released): its tokens."""
+        n = op.pages * self.cfg.page_size
         if op.host_slots is not None:
             inserted = self.tree.insert_host(op.anchor, op.tokens[:n], op.host_slots[:n])
             unused = torch.ones(len(op.host_slots), dtype=torch.bool)

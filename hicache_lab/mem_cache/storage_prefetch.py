@@ -5,14 +5,16 @@ When a request arrives, the prefetch thread asks storage how many leading pages 
 tree does not hold it has, and agrees on the MIN with its peers on its own gloo groups, across stages too (a
 background thread is not held by the pipeline). The scheduler takes the answers in issue order, by a count
 agreed in the step's check (SGLang's `prefetch_hit_queue`): below the threshold the prefetch is revoked (and
-ends: its rate-limit share and its anchor's protection are released then), else
-host slots are allocated for the hit (evicting from the host; a shorter prefix when the host cannot hold it all)
-and the read thread reads the pages in batches of 128. After every batch it agrees how many pages have arrived
-(SGLang 0.5.23's progressive prefetch acks, reduced on their own `prefetch_completion_sync_groups`): with
-`prefetch_completion` the MIN over every rank that reads them, across stages too, so a page damaged on one rank
-is a miss on all. At admission (`prefetch_ready`, on the scheduler's groups) PP rank 0 decides whether to stop
-waiting (MAX over its attention peers of "deadline expired", as 0.5.23, and of "still incomplete", relayed down
-the pipeline), and `take_prefetch` how many of the agreed pages to keep (MIN, relayed).
+ends: its rate-limit share and its anchor's protection are released then), else host slots are allocated for
+the hit (evicting from the host; a shorter prefix when the host cannot hold it all) and the read thread reads
+the pages in batches of 128. After every batch it agrees how many pages have arrived (SGLang 0.5.23's
+progressive prefetch acks, reduced on their own `prefetch_completion_sync_groups`): with `prefetch_completion`
+the MIN over every rank that reads them, across stages too, so a page damaged on one rank is a miss on all.
+Each batch's agreement is an ack; the step's check agrees how many of them every rank consumes (SGLang's
+`ack_prefetch_queue`), and a prefetch whose last ack is consumed ends there, its pages inserted, before its
+request is admitted (`_drain_ack_prefetch` -> `_handle_prefetch_result`). Admission (`prefetch_ready`) votes
+only under `timeout`: PP rank 0 and its attention peers, MAX of "deadline expired", relayed; the pages kept are
+those the consumed acks counted, the same on every rank.
 
 Prefetches in flight may ask for at most `prefetch_capacity` tokens (`CacheConfig.prefetch_capacity_fraction`
 of the host pool; SGLang 0.5.23: half); one more is skipped. Under `virtual` latency a hit query and each batch
@@ -60,6 +62,8 @@ class PrefetchOp:
     arrived: int = 0  # leading pages read into host slots on this rank
     failed: bool = False  # a page could not be read here: no more arrive
     agreed: list[int] = field(default_factory=list)  # per batch read, the pages arrived as the ranks agreed
+    drained: int = 0  # its batch acks consumed (by agreed counts): the same on every rank
+    pages: int = 0  # pages arrived as the last consumed ack says: what an ending now keeps, on every rank
     terminated: bool = False  # the scheduler took what arrived: the worker must not write any more
     progress: threading.Condition = field(default_factory=threading.Condition)  # guards the fields above
 
@@ -79,8 +83,9 @@ class StoragePrefetch:
     host_alloc: PageAllocator
     sync: CacheSync
     step: int
-    prefetches: dict[int, PrefetchOp]  # by request id, until admission takes them or they are revoked
+    prefetches: dict[int, PrefetchOp]  # by request id, until they end (admission, their last ack, a revoke)
     queries: list[PrefetchOp]  # FIFO of hit queries whose answer the scheduler has not taken
+    reading: list[PrefetchOp]  # FIFO of the read thread's prefetches whose last batch ack is not consumed
     queues: dict[str, queue.Queue]
     prefetch_capacity: int
 
@@ -152,6 +157,7 @@ class StoragePrefetch:
             for _ in op.batches() if not self.threaded else ():
                 previous = self._due(previous)
                 op.due.append(previous)
+            self.reading.append(op)
             self.queues["read"].put(op)
         self.queries = self.queries[count:]
         return revoked
@@ -181,22 +187,39 @@ class StoragePrefetch:
             log.warning("storage read of %d pages failed: %s", len(hashes), exc)
             return 0
 
-    def _agreed(self, op: PrefetchOp) -> tuple[int, bool]:
-        """(pages this rank counts as arrived, whether no more will): under real latency what the read thread
-        has agreed so far; under virtual latency what it agreed for the batches due by now (waiting for it)."""
-        if op.hits is None:
-            return 0, False
-        batches = op.batches()
-        with op.progress:
-            due = len(op.agreed) if self.threaded else sum(d <= self.step for d in op.due)
-            while len(op.agreed) < due:
-                self._check_worker()
-                op.progress.wait(0.05)
-            agreed = op.agreed[:due]
-        if not agreed:
-            return 0, not batches
-        pages = agreed[-1]
-        return pages, len(agreed) == len(batches) or pages < batches[len(agreed) - 1].stop
+    def prefetch_acks_done(self) -> int:
+        """Leading batch acks of the read FIFO done on this rank: under real latency those the read thread has
+        agreed; under virtual latency those due by now (waiting for the thread's agreement of them)."""
+        self._check_worker()
+        done = 0
+        for op in self.reading:
+            with op.progress:
+                due = len(op.agreed) if self.threaded else sum(d <= self.step for d in op.due)
+                while len(op.agreed) < due:
+                    self._check_worker()
+                    op.progress.wait(0.05)
+            done += due - op.drained
+            if due < len(op.batches()):
+                break
+        return done
+
+    def take_prefetch_acks(self, count: int) -> list[PrefetchOp]:
+        """Consume the agreed `count` batch acks in order: each sets its prefetch's `pages`; a prefetch whose
+        last one is consumed leaves the FIFO and, where its request still waits for it, ends (returned, for the
+        cache to insert its pages)."""
+        done = []
+        while count:
+            op = self.reading[0]
+            taken = min(count, len(op.batches()) - op.drained)
+            op.drained, count = op.drained + taken, count - taken
+            op.pages = op.agreed[op.drained - 1]
+            if op.drained == len(op.batches()):
+                self.reading.pop(0)
+                if self.prefetches.get(op.rid) is op:
+                    del self.prefetches[op.rid]
+                    self._end(op)
+                    done.append(op)
+        return done
 
     def _timed_out(self, op: PrefetchOp) -> bool:
         """`timeout`: steps since issue under virtual latency; under real latency wall time since admission
@@ -210,46 +233,33 @@ class StoragePrefetch:
         return now - op.waiting_since > limit
 
     def prefetch_ready(self, rid: int) -> bool:
-        """Whether request `rid` may stop waiting for its prefetch (True without one), agreed: PP rank 0 and its
-        attention peers decide, later stages take their verdict; their own clocks and polls never decide.
-        `best_effort` never waits and votes nothing. Otherwise one MAX over [deadline expired, still incomplete]:
-        under `timeout` it stops as soon as any peer's deadline has expired (SGLang 0.5.23's
-        `_can_terminate_prefetch`: MAX of "terminate"; an expiry counts only while the pages have not all
-        arrived, as `_prefetch_deadline_expired`), and under every policy once no peer is still incomplete (the
-        lab's stand-in for completion through SGLang's ack drain). With `prefetch_vote` a rank without this
-        prefetch votes too (complete, and 0 pages in `take_prefetch`): where ranks' prefetches differ, every rank
-        still enters the collective, and the pages agreed are none."""
+        """Whether request `rid` may stop waiting for its prefetch (True without one: it ended, or there was
+        none), as SGLang 0.5.23's `_can_terminate_prefetch`: `best_effort` at once and `wait_complete` never
+        (its last ack ends it), neither voting; `timeout` as soon as any peer's deadline has expired (MAX over
+        PP rank 0's attention peers, relayed: later stages' clocks never decide). With `prefetch_vote` a rank
+        without this prefetch votes too (not expired, #38273's dummy vote): without it, a peer that has the
+        prefetch waits in the collective alone."""
         self._check_worker()
-        op = self.prefetches.get(rid)
-        if self.cfg.prefetch_policy == "best_effort" or (op is None and "prefetch_vote" not in self.sync.fixes):
-            return True  # without a prefetch: before the collective, so a peer that has it waits alone (#38273)
-        incomplete = op is not None and not self._agreed(op)[1]
-        expired = incomplete and self.cfg.prefetch_policy == "timeout" and self._timed_out(op)
-        expired_anywhere, waiting_anywhere = self.sync.agree_prefetch_progress([int(expired), int(incomplete)], MAX)
-        return bool(expired_anywhere) or not waiting_anywhere
-
-    def take_prefetch(self, rid: int) -> tuple[PrefetchOp, int] | None:
-        """End request `rid`'s prefetch (after `prefetch_ready`): the op and the pages every rank holds, which the
-        worker no longer touches; None without a prefetch."""
-        op = self.prefetches.pop(rid, None)
-        if op is None and "prefetch_vote" not in self.sync.fixes:
-            return None
-        (pages,) = self.sync.agree_prefetch_progress([self._agreed(op)[0] if op is not None else 0])
+        op, policy = self.prefetches.get(rid), self.cfg.prefetch_policy
         if op is None:
-            return None
-        self._wait_for_pages(op, pages)
-        self.stats.pages_prefetched += pages
-        self.stats.cut_short += op.hits is None or (pages < op.hits and not op.failed)
-        return op, pages
+            if policy == "timeout" and "prefetch_vote" in self.sync.fixes:
+                self.sync.agree_prefetch_progress([0], MAX)
+            return True
+        if policy != "timeout":
+            return policy == "best_effort"
+        (expired,) = self.sync.agree_prefetch_progress([int(self._timed_out(op))], MAX)
+        return bool(expired)
 
-    def _wait_for_pages(self, op: PrefetchOp, pages: int) -> None:
-        """Wait until this rank's read thread has agreed `pages` (a later stage runs behind stage 0), then end the
-        prefetch. With `prefetch_completion` every rank reaches every agreed count; without it a rank agrees with
-        its own attention peers only, and a page damaged on a later stage alone leaves that stage short."""
-        with op.progress:
-            while (op.agreed[-1] if op.agreed else 0) < pages:
-                if op.hits is None or len(op.agreed) == len(op.batches()):
-                    raise RuntimeError(f"{pages} prefetched pages were agreed, but only {op.arrived} can arrive here")
-                self._check_worker()
-                op.progress.wait(0.05)
+    def take_prefetch(self, rid: int) -> PrefetchOp | None:
+        """End request `rid`'s prefetch before its last ack (after `prefetch_ready`): the op, whose `pages` are
+        what every rank keeps, and which the read thread no longer writes; None without one."""
+        op = self.prefetches.pop(rid, None)
+        if op is not None:
+            self._end(op)
+        return op
+
+    def _end(self, op: PrefetchOp) -> None:
+        with op.progress:  # a batch being read finishes first; no later one writes
             op.terminated = True
+        self.stats.pages_prefetched += op.pages
+        self.stats.cut_short += op.hits is None or (op.pages < op.hits and not op.failed)

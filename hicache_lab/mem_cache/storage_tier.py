@@ -82,8 +82,9 @@ class StorageTier(StoragePrefetch):
         self.rng = np.random.default_rng([seed, rank, 3])
         self.step = 0
         self.backups: list[BackupOp] = []  # FIFO, acknowledged by an agreed count
-        self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until admission takes them or revoked
+        self.prefetches: dict[int, PrefetchOp] = {}  # by request id, until they end
         self.queries: list[PrefetchOp] = []  # FIFO of hit queries whose answer the scheduler has not taken
+        self.reading: list[PrefetchOp] = []  # FIFO of the read thread's prefetches, until their last ack
         self.stats = StorageStats()
         # prefetches in flight may ask for at most this share of the host pool (SGLang 0.5.23: half)
         self.prefetch_capacity = int(cfg.prefetch_capacity_fraction * host_alloc.size)
@@ -191,6 +192,7 @@ class StorageTier(StoragePrefetch):
         backup; the backups' nodes."""
         assert not self.prefetches, "prefetches outlive their requests"
         self.take_queries(len(self.queries), make_room=None, allocate=None)
+        self.reading.clear()  # every one ended: their acks, still to come, count for nothing, alike on every rank
         return self.release_backups(len(self.backups))
 
     def close(self) -> None:

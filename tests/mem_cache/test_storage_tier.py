@@ -173,3 +173,32 @@ def test_a_write_back_that_finds_the_host_full_keeps_a_subtree_storage_still_rea
     assert len(after.device_indices) == 16 and after.host_hit_length == 16  # head on the device, tail on the host
     assert torch.equal(after.device_indices, before.device_indices)
     cache.close()
+
+
+def test_a_finished_prefetch_ends_at_its_last_ack_before_admission(groups, tmp_path):
+    """SGLang 0.5.23's `_drain_ack_prefetch`: the read thread's per-batch agreements are acks that the step's
+    check drains by an agreed count; the last one ends the prefetch there (pages inserted, rate-limit share and
+    anchor released), so the request, admitted later, finds it done without a vote."""
+    cfg = CacheConfig(
+        max_total_tokens=64,
+        enable_hierarchical_cache=True,
+        storage_backend="file",
+        prefetch_policy="wait_complete",
+        prefetch_threshold=4,
+        max_copy_delay_steps=0,
+    )
+    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))
+    prompt = tuple(range(16))
+    cache.insert(prompt, cache.alloc_device(16))
+    cache.flush()  # the host copy went to storage; device and host are empty now
+    cache.prefetch_from_storage(7, list(prompt))
+    assert 7 in cache.storage.prefetches
+    for step in range(1, 4):  # the hit query's answer, then the batch read and its ack
+        cache.advance(step)
+        cache.check_hicache_events()
+    # the prompt's last token is left to compute (match_key): 15 tokens fetched, inserted at the drain, host-only
+    assert 7 not in cache.storage.prefetches and cache.prefetch_loaded == {7: 15}
+    assert cache.match_prefix(prompt).host_hit_length == 15
+    assert cache.check_prefetch_progress(7) == 15 and not cache.prefetch_loaded  # admission: no vote
+    cache.close()

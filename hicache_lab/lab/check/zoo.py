@@ -155,19 +155,20 @@ ENTRIES = {
         ),
         Entry(
             "stage_damaged_page",
-            "a page damaged in one stage's shard alone: the pages a prefetch read are agreed at admission by PP rank "
-            "0's attention peers, so the later stage holds fewer than the count relayed to it",
+            "a page damaged in one stage's shard alone: the pages a prefetch read are agreed within each stage only, "
+            "so the stages insert different prefixes and build different batches",
             "#27010 (PP + L3: prefetch progress agreed as acks on the storage sync groups, across stages)",
             f"--pp 2 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2 --fault damage-page:1@3",
             ("prefetch_completion",),
-            expect="can arrive here",
+            expect="on extend_tokens",
         ),
         Entry(
             "prefetch_early_return",
             "a rank without a request's prefetch returns before check_prefetch_progress's collective, where its "
             "peer waits alone (their prefetches differ after a host write that failed on one rank)",
             "#38273 / #38268 (gloo hang, TP=8, NIXL storage)",
-            f"--tp 2 --collective-timeout 5 {STORAGE_FLAGS} --fault alloc-fail:1@4",
+            f"--tp 2 --collective-timeout 5 {STORAGE_FLAGS} --hicache-storage-prefetch-policy timeout "
+            "--fault alloc-fail:1@4",
             ("prefetch_vote", "alloc_agreement"),
             expect="in check_prefetch_progress > prefetch_ready",
         ),
@@ -206,10 +207,11 @@ ENTRIES = {
         ),
         Entry(
             "cp_prefetch_termination",
-            "CP peers decide alone when a prefetch may stop waiting and how many pages arrived: their prefixes "
-            "part, one loads back what the other recomputes, and their batches differ",
+            "CP peers agree alone how many pages a prefetch read (here a page damaged on CP rank 1 only): their "
+            "prefixes part, one loads back what the other recomputes, and their batches differ",
             "#20460 (CP peers disagreed on prefetch completion and revocation)",
-            f"--cp 2 --collective-timeout 5 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2",
+            f"--cp 2 --collective-timeout 5 {STORAGE_FLAGS} --flush-cache-between-rounds --num-rounds 2 "
+            "--fault damage-page:1@3",
             ("prefetch_groups",),
             expect="CP peers disagree on the batch",
         ),
