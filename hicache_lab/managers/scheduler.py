@@ -78,8 +78,8 @@ class Scheduler(SchedulerBatchResultProcessor):
             result = Batch("decode", ready, self._decode(ready), acks)
         else:
             result = Batch("idle", [], None, acks)
-            if not self.running:
-                self.new_token_ratio.reset()
+            if not self.running and not self.waiting and self.chunked_req is None:
+                self.new_token_ratio.reset()  # SGLang's on_idle: only when fully idle
             self._check_progress(acks)
         if result.kind != "idle" or not self.waiting or self.running:
             self.stalled_since = None

@@ -174,3 +174,25 @@ def test_a_full_batch_stays_full_until_a_request_leaves(groups):
         iteration += 1
     batch, _ = step(s, iteration)
     assert [r.rid for r in batch.reqs] == [1]
+
+
+def test_the_output_estimate_resets_only_when_fully_idle(groups):
+    """SGLang's `on_idle`: an idle step resets `new_token_ratio` only with nothing running and nothing waiting.
+    Here b waits (a's prefix stays locked while its host write is in flight), so the ratio is kept."""
+    cfg = CacheConfig(max_total_tokens=64, enable_hierarchical_cache=True, max_copy_delay_steps=6)
+    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync("fixed", groups, frozenset()))
+    s = Scheduler(cache, 4)
+    a = req(0, list(range(40)), new_tokens=2)
+    s.add([a])
+    step(s, 0)
+    step(s, 1)
+    assert a.finished
+    s.add([req(1, list(range(100, 160)), new_tokens=2)])  # needs a's slots, locked until its write ack
+    s.new_token_ratio.current = 0.3
+    iteration, idle = 2, 0
+    while s.waiting:  # idle until the ack is consumed, then b is admitted
+        batch, _ = step(s, iteration)
+        idle += batch.kind == "idle"
+        assert s.new_token_ratio.current == 0.3
+        iteration += 1
+    assert idle > 0 and batch.kind == "prefill"
