@@ -172,6 +172,7 @@ class WorkloadConfig:
     chunked_prefill_size: int = 4096  # SGLang's default where it knows no GPU memory; -1: no chunked prefill
     max_prefill_tokens: int = 16384  # SGLang's default
     round_barrier: bool = True
+    ignore_eos: bool = True  # answers run to --output-length and admission knows it (bench_multiturn's ignore_eos)
     seed: int = 0
     trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (mooncake_trace.py)
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)

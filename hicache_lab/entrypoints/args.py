@@ -164,13 +164,7 @@ FLAGS = [
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
     ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),
     ("--sync", "parallel", "sync", str, f"cross-rank agreement: {', '.join(SYNC_MODES)}"),
-    (
-        "--pp-async-batch-depth",
-        "parallel",
-        "pp_async_batch_depth",
-        int,
-        "micro-batches in flight beyond --pp (SGLang's)",
-    ),
+    ("--pp-async-batch-depth", "parallel", "pp_async_batch_depth", int, "micro-batches beyond --pp (SGLang's)"),
     ("--consensus-check", "parallel", "consensus_check", int, "every K steps all ranks compare state (0: off)"),
     ("--device", "parallel", "device", str, "cpu (gloo) or cuda (NCCL, CUDA streams)"),
     ("--collective-timeout", "parallel", "collective_timeout_s", finite_float, "seconds before a collective fails"),
@@ -187,10 +181,15 @@ FAULT_HELP = (
     "fails, as a full pool would: a write to the host, a load back, a prefetch's host slots), damage-page:R@N (the "
     "Nth page rank R reads from the file store is damaged on disk first: a miss)"
 )
+IGNORE_EOS_HELP = (
+    "admit as if answers might stop early (bench_serving's flag): a running request's remaining answer is "
+    "reserved times new_token_ratio, not in full; answers still run to the end (retractions)"
+)
 # The other flags: (flag, RunConfig field, parsed value -> field value, argparse options).
 SWITCHES = [
     ("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", bool, _switch("add the host tier (L2)")),
     ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
+    ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
     (
         "--record-cache-ops",

@@ -20,6 +20,7 @@ class Req:
     round: int
     prompt: list[int]
     max_new_tokens: int
+    ignore_eos: bool = True  # it answers exactly max_new_tokens (bench_multiturn sends ignore_eos, as the lab's do)
     arrival: float = 0.0
     output: list[int] = field(default_factory=list)
     logits: list[torch.Tensor] = field(default_factory=list)  # per output token, kept for the oracle

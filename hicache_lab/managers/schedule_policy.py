@@ -2,8 +2,9 @@
 (`managers/schedule_policy.py`, `scheduler_components/new_token_ratio_tracker.py`, 0.5.23), for one dense pool.
 
 The budget counts device slots that are free or evictable, less what the batch reserved so far and what the
-running requests are expected to still decode (their remaining tokens times `new_token_ratio`, an estimate
-that starts at 0.7, decays each decode step to 0.098, and is raised again after a retraction). A request is
+running requests are expected to still decode: their remaining tokens in full for a request that ignores EOS
+(bench_multiturn's, and all of the lab's workloads'), else times `new_token_ratio`, an estimate that starts at
+0.7, decays each decode step to 0.098, and is raised again after a retraction. A request is
 admitted if its extend, its remaining output and a page fit; the batch also stops at `max_prefill_tokens`
 and, with chunked prefill, at `chunked_prefill_size` tokens: the request that crosses it is cut at a page
 boundary and becomes the one chunked request, continued first in the next batches.
@@ -72,7 +73,10 @@ class PrefillAdder:
         self.cache, self.page_size = cache, cache.cfg.page_size
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
-        self.total_offset = sum(remaining_output(r) * new_token_ratio for r in running)
+        # a running request's remaining output, in full where it ignores EOS (SGLang 0.5.23's
+        # _get_running_request_total_token_offset: "fixed-length requests cannot benefit from the early-EOS
+        # estimate"), else times the estimate
+        self.total_offset = sum(remaining_output(r) * (1.0 if r.ignore_eos else new_token_ratio) for r in running)
         self.current_offset = 0
         self.can_run: list[Req] = []
         self.new_chunked_req: Req | None = None

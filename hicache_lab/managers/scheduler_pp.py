@@ -41,12 +41,14 @@ from .step_trace import StepRecord, TraceWriter, consensus_values
 from .workload import Feeder
 
 HEADER = 3  # new_round, stop, number of requests
+FIELDS = 7  # per request before its prompt
 
 
 def encode_requests(reqs: list[Req], new_round: bool, stop: bool) -> torch.Tensor:
     flat = [int(new_round), int(stop), len(reqs)]
     for r in reqs:
-        flat += [r.rid, r.client, r.round, r.max_new_tokens, r.upper_bound_cached, len(r.prompt), *r.prompt]
+        flat += [r.rid, r.client, r.round, r.max_new_tokens, int(r.ignore_eos), r.upper_bound_cached, len(r.prompt)]
+        flat += r.prompt
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -54,10 +56,11 @@ def decode_requests(data: torch.Tensor) -> tuple[list[Req], bool, bool]:
     flat = data.tolist()
     reqs, pos = [], HEADER
     for _ in range(flat[2]):
-        rid, client, round_, max_new, bound, length = flat[pos : pos + 6]
-        reqs.append(Req(rid, client, round_, flat[pos + 6 : pos + 6 + length], max_new, time.perf_counter()))
+        rid, client, round_, max_new, ignore_eos, bound, length = flat[pos : pos + FIELDS]
+        prompt = flat[pos + FIELDS : pos + FIELDS + length]
+        reqs.append(Req(rid, client, round_, prompt, max_new, bool(ignore_eos), time.perf_counter()))
         reqs[-1].upper_bound_cached = bound
-        pos += 6 + length
+        pos += FIELDS + length
     return reqs, bool(flat[0]), bool(flat[1])
 
 

@@ -37,7 +37,15 @@ class MultiTurnWorkload:
 
     def request(self, client: int, round_: int) -> Req:
         prompt = self.openings[client] if round_ == 0 else self.history[client] + self.questions[client][round_]
-        req = Req(self._next_rid, client, round_, list(prompt), self.cfg.output_length, arrival=time.perf_counter())
+        req = Req(
+            self._next_rid,
+            client,
+            round_,
+            list(prompt),
+            self.cfg.output_length,
+            ignore_eos=self.cfg.ignore_eos,
+            arrival=time.perf_counter(),
+        )
         self._next_rid += 1
         return req
 
@@ -65,7 +73,15 @@ class MooncakeWorkload:
             return []
         now = time.perf_counter()
         return [
-            Req(i, i, round_, list(self.trace[i].prompt), self.trace[i].output_length, arrival=now)
+            Req(
+                i,
+                i,
+                round_,
+                list(self.trace[i].prompt),
+                self.trace[i].output_length,
+                ignore_eos=self.cfg.ignore_eos,
+                arrival=now,
+            )
             for i in self.windows[round_]
         ]
 

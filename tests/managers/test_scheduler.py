@@ -12,7 +12,9 @@ from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.errors import PoolExhaustedError
 from hicache_lab.managers.schedule_batch import Req
+from hicache_lab.managers.schedule_policy import PrefillAdder
 from hicache_lab.managers.scheduler import Scheduler
+from hicache_lab.managers.scheduler_pp import decode_requests, encode_requests
 from hicache_lab.mem_cache.build import KVShape, build_cache
 
 
@@ -161,6 +163,7 @@ def test_a_full_batch_stays_full_until_a_request_leaves(groups):
     request leaves the batch, even where room has grown meanwhile (here the output estimate decayed)."""
     s = scheduler(groups, tokens=64)
     a, b = req(0, list(range(24)), new_tokens=32), req(1, list(range(100, 116)), new_tokens=2)
+    a.ignore_eos = False  # its remaining answer is reserved times the estimate
     s.add([a, b])
     batch, _ = step(s, 0)
     assert [r.rid for r in batch.reqs] == [0] and s.batch_is_full == [True]  # b's 19 slots do not fit
@@ -196,3 +199,27 @@ def test_the_output_estimate_resets_only_when_fully_idle(groups):
         assert s.new_token_ratio.current == 0.3
         iteration += 1
     assert idle > 0 and batch.kind == "prefill"
+
+
+def test_a_running_request_that_ignores_eos_reserves_its_whole_remaining_answer(groups):
+    """SGLang 0.5.23's `_get_running_request_total_token_offset`: a fixed-length request (bench_multiturn sends
+    ignore_eos, as every lab request is) reserves all of its remaining output; only one that may stop early
+    reserves it times `new_token_ratio`."""
+    s = scheduler(groups, tokens=64)
+    a = req(0, list(range(24)), new_tokens=32)
+    s.add([a])
+    step(s, 0)  # a prefilled, one token answered: 31 to go
+    assert PrefillAdder(s.cache, [a], 0.1, 16384, None).total_offset == 31
+    a.ignore_eos = False
+    assert PrefillAdder(s.cache, [a], 0.1, 16384, None).total_offset == pytest.approx(3.1)
+
+
+def test_the_pipeline_relays_every_field_admission_reads():
+    """Stage 0 sends new requests to the later stages as one tensor: each field the scheduler decides on (here
+    `ignore_eos`, which sizes the reservation) arrives as sent, or the stages admit differently."""
+    sent = [req(3, [5, 6, 7], new_tokens=9), req(4, [8], new_tokens=2)]
+    sent[1].ignore_eos, sent[0].upper_bound_cached = False, 2
+    got, new_round, stop = decode_requests(encode_requests(sent, True, False))
+    fields = ("rid", "client", "round", "prompt", "max_new_tokens", "ignore_eos", "upper_bound_cached")
+    assert [[getattr(r, f) for f in fields] for r in got] == [[getattr(r, f) for f in fields] for r in sent]
+    assert (new_round, stop) == (True, False)

@@ -19,6 +19,7 @@ from hicache_lab.mem_cache.hicache_storage import FileStorage
 from hicache_lab.parallel_config import ParallelConfig
 
 PRESSURE = {
+    "ignore_eos": False,  # admitted on the estimate of what they answer: decode memory runs out (retractions)
     "chunked_prefill_size": 16,
     "output_length": 64,
     "num_rounds": 2,
