@@ -132,9 +132,11 @@ class StoragePrefetch:
         longer counts toward the rate limit, and its anchor is returned for the tree to release; one already
         ended is passed over. The others get host slots for their
         hit (`make_room` evicts from the host; if the host cannot hold all of it, a shorter prefix, down to
-        the threshold) and start reading. Allocating needs no agreement of its own: the read thread goes through
-        the agreed hit's batches on every rank, and one that could not allocate (all or part of it) reads
-        nothing there, so the pages agreed arrived are only those every rank holds."""
+        the threshold) and start reading; one whose host cannot hold the threshold is revoked there, as 0.5.23
+        revokes it. With identical trees every rank decides alike; an allocation that fails on one rank alone
+        (`--fault alloc-fail`) has no answer in any release, and the `alloc_agreement` proposal keeps such a
+        prefetch in flight instead: the read thread goes through the agreed hit's batches on every rank, the
+        rank without slots reads nothing there, and the pages agreed arrived are only those every rank holds."""
         ps, revoked = self.cfg.page_size, []
         for op in self.queries[:count]:
             while not op.queried.wait(0.05):
@@ -153,6 +155,10 @@ class StoragePrefetch:
             slots = allocate(self.host_alloc, pages * ps) if pages * ps >= self.cfg.prefetch_threshold else None
             op.host_slots, op.hits = slots, pages if slots is not None else 0
             self.stats.no_host_room += slots is None
+            if slots is None and "alloc_agreement" not in self.sync.fixes:
+                del self.prefetches[op.rid]  # revoked at once, as 0.5.23's `_try_alloc_storage_hit` (host_capacity)
+                revoked.append(op.anchor)
+                continue
             previous = self.step
             for _ in op.batches() if not self.threaded else ():
                 previous = self._due(previous)

@@ -13,6 +13,7 @@ from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
+from hicache_lab.lab.presets import TIER_CACHES, tier_config
 from hicache_lab.mem_cache.build import KVShape, build_cache
 from hicache_lab.mem_cache.hicache_storage import FileStorage
 from hicache_lab.mem_cache.tree_node import node_hashes
@@ -202,3 +203,20 @@ def test_a_finished_prefetch_ends_at_its_last_ack_before_admission(groups, tmp_p
     assert cache.match_prefix(prompt).host_hit_length == 15
     assert cache.check_prefetch_progress(7) == 15 and not cache.prefetch_loaded  # admission: no vote
     cache.close()
+
+
+def test_a_prefetch_the_host_cannot_hold_is_revoked_at_once_and_its_request_keeps_its_host_prefix(tmp_path):
+    """SGLang 0.5.23's `_try_alloc_storage_hit`: no host room for the threshold revokes the prefetch there, so its
+    request is admitted on what the tree holds (notebook 04's round 3: 63 tokens still on the host). Kept in
+    flight instead (the `alloc_agreement` proposal's way, which must keep every rank in the read's collectives),
+    it waits for an empty read while the host drops that prefix."""
+    found = {}
+    for name, fixes in (("released", ()), ("kept in flight", ("alloc_agreement",))):
+        cfg = tier_config(**TIER_CACHES["L1 + L2 + L3"])
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, enable_fixes=fixes))
+        summary = run(cfg, tmp_path / name.replace(" ", "_"), verbose=False)
+        assert summary["completed"] and summary["outputs_match_reference"] is not False, summary["error"]
+        storage = json.loads((tmp_path / name.replace(" ", "_") / "rank0.json").read_text())["storage"]
+        found[name] = (storage["no_host_room"], summary["rounds"][3]["cached_host"])
+    assert found["released"][0] == found["kept in flight"][0] > 0  # the same prefetch finds no room
+    assert found["released"][1] > found["kept in flight"][1]
