@@ -112,6 +112,23 @@ def test_write_back_backs_evicted_nodes_up_to_storage(world_config, tmp_path):
     assert sum(r["cached_storage"] for r in summary["rounds"] if r["round"] > 0) > 0
 
 
+def test_a_prefetch_the_host_cannot_hold_is_revoked_at_once_and_its_request_keeps_its_host_prefix(tmp_path):
+    """SGLang 0.5.23's `_try_alloc_storage_hit`: no host room for the threshold revokes the prefetch there, so its
+    request is admitted on what the tree holds (notebook 04's round 3: 63 tokens still on the host). Kept in
+    flight instead (the `alloc_agreement` proposal's way, which must keep every rank in the read's collectives),
+    it waits for an empty read while the host drops that prefix."""
+    found = {}
+    for name, fixes in (("released", ()), ("kept in flight", ("alloc_agreement",))):
+        cfg = tier_config(**TIER_CACHES["L1 + L2 + L3"])
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, enable_fixes=fixes))
+        summary = run(cfg, tmp_path / name.replace(" ", "_"), verbose=False)
+        assert summary["completed"] and summary["outputs_match_reference"] is not False, summary["error"]
+        storage = json.loads((tmp_path / name.replace(" ", "_") / "rank0.json").read_text())["storage"]
+        found[name] = (storage["no_host_room"], summary["rounds"][3]["cached_host"])
+    assert found["released"][0] == found["kept in flight"][0] > 0  # the same prefetch finds no room
+    assert found["released"][1] > found["kept in flight"][1]
+
+
 def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
     """A node split while its host write is in flight: at the ack both halves go to storage (SGLang's
     publish_node_ids), so the node's leading pages are there; backing up only the lower half would leave the
@@ -203,20 +220,3 @@ def test_a_finished_prefetch_ends_at_its_last_ack_before_admission(groups, tmp_p
     assert cache.match_prefix(prompt).host_hit_length == 15
     assert cache.check_prefetch_progress(7) == 15 and not cache.prefetch_loaded  # admission: no vote
     cache.close()
-
-
-def test_a_prefetch_the_host_cannot_hold_is_revoked_at_once_and_its_request_keeps_its_host_prefix(tmp_path):
-    """SGLang 0.5.23's `_try_alloc_storage_hit`: no host room for the threshold revokes the prefetch there, so its
-    request is admitted on what the tree holds (notebook 04's round 3: 63 tokens still on the host). Kept in
-    flight instead (the `alloc_agreement` proposal's way, which must keep every rank in the read's collectives),
-    it waits for an empty read while the host drops that prefix."""
-    found = {}
-    for name, fixes in (("released", ()), ("kept in flight", ("alloc_agreement",))):
-        cfg = tier_config(**TIER_CACHES["L1 + L2 + L3"])
-        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, enable_fixes=fixes))
-        summary = run(cfg, tmp_path / name.replace(" ", "_"), verbose=False)
-        assert summary["completed"] and summary["outputs_match_reference"] is not False, summary["error"]
-        storage = json.loads((tmp_path / name.replace(" ", "_") / "rank0.json").read_text())["storage"]
-        found[name] = (storage["no_host_room"], summary["rounds"][3]["cached_host"])
-    assert found["released"][0] == found["kept in flight"][0] > 0  # the same prefetch finds no room
-    assert found["released"][1] > found["kept in flight"][1]
