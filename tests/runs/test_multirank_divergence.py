@@ -111,3 +111,18 @@ def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_confi
     assert held == list(itertools.accumulate(r["relay_sent"] for r in polled))  # every send still held
     assert held[-1] >= len(polled)  # at least one per step
     assert summaries["polled"]["scheduling"]["max_older_relay_sends"] == held[-1] - polled[-1]["relay_sent"]
+
+
+@pytest.mark.spawns
+def test_released_sync_relays_once_a_step_and_the_allocation_vote_adds_sends(world_config, tmp_path):
+    """`--sync fixed` is 0.5.23: stage 0 relays one agreement a step (SGLang's `_pp_sync` of the step's
+    tensor); `alloc_agreement` (#31425, open) relays each copy's allocation verdict on top (SYNC.md's counts)."""
+    sent = {}
+    for name, fixes in (("released", ()), ("proposal", ("alloc_agreement",))):
+        cfg = world_config(pp=2, enable_fixes=fixes)
+        cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, num_rounds=3))
+        summary = run(cfg, tmp_path / name, verbose=False)
+        assert summary["completed"] and not summary["diverged"], summary["error"]
+        sent[name] = [row["relay_sent"] for row in read_trace(tmp_path / name) if row["rank"] == 0]
+    assert set(sent["released"]) == {1}
+    assert len(sent["proposal"]) == len(sent["released"]) and max(sent["proposal"]) > 1
