@@ -252,6 +252,15 @@ class RunConfig:
             f"--pp-layer-partition {','.join(map(str, partition))} must add up to --num-layers {self.model.num_layers}",
         )
         require(
+            w.chunked_prefill_size == -1 or w.chunked_prefill_size >= self.cache.page_size,
+            f"--chunked-prefill-size {w.chunked_prefill_size} is smaller than a page (--page-size "
+            f"{self.cache.page_size}): a chunk ends at a page boundary, so it must hold a page; raise it, or -1",
+        )
+        require(
+            w.round_barrier or not self.cache.flush_between_rounds,
+            "--flush-cache-between-rounds flushes at the barrier between rounds: drop --no-round-barrier, or the flush",
+        )
+        require(
             not self.parallel.fault.startswith("damage-page") or self.cache.storage_backend == "file",
             "--fault damage-page damages a page file: add --hicache-storage-backend file",
         )

@@ -89,6 +89,8 @@ class ParallelConfig:
         for name in (*self.enable_fixes, *self.disable_fixes):
             require_choice(name, SYNC_FIXES, "fix")
         require(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
+        both = sorted(set(self.enable_fixes) & set(self.disable_fixes))
+        require(not both, f"--enable-fix and --disable-fix {', '.join(both)}: both at once; keep the one you mean")
         for spec in self.sync_impls:
             slot, _, target = spec.partition("=")
             module, _, function = target.partition(":")

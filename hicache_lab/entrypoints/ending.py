@@ -4,10 +4,13 @@
   (Linux `prctl(PR_SET_PDEATHSIG)`, set in the child, then a check that the parent did not die first; where
   prctl is unavailable, a thread polls the parent's pid). A rank's parent is the launcher's fork server
   (launch.py): a thread polls the launcher's pid as well. So SIGKILL of the launcher leaves nothing behind.
-* `SignalGuard`: SIGINT and SIGTERM raise `Interrupted` in the main thread, which ends the run through its usual
+* `SignalGuard`: SIGINT, SIGTERM and SIGHUP raise `Interrupted` in the main thread, which ends the run through its usual
   path (partial results, a summary that says what interrupted it). A Python handler runs only between bytecodes,
   never while the main thread is blocked in C++ (a gloo collective waiting for a stuck peer): a watcher thread,
   woken by the same signal (`signal.set_wakeup_fd`), then runs what the process owes itself (`owe`) and exits.
+* `Adopted`: a process a run's code forked (a user's `--sync-impl` may) outlives neither its rank nor the run:
+  the launcher is its subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so such a process becomes the launcher's
+  child when its own parent ends, and the launcher kills and reaps every child the run left at its end.
 * `process_state`: what a process is doing, from /proc (a rank that never reported: stopped, sleeping, gone).
 """
 
@@ -23,25 +26,69 @@ from collections.abc import Callable
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a closed terminal or ssh session sends SIGHUP
 WAIT_S = 1.0  # how long the watcher gives the main thread to take a signal before it acts in its place
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal"}
 STATES |= {"t": "stopped by a debugger", "Z": "a zombie (it has exited)", "X": "dead"}
 
 
 class Interrupted(BaseException):
-    """SIGINT or SIGTERM reached the run (a BaseException, so `except Exception` does not take it for a crash)."""
+    """SIGINT, SIGTERM or SIGHUP reached the run (a BaseException: `except Exception` does not take it for a crash)."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
         self.signum, self.name = signum, signal.Signals(signum).name
 
 
-def _pdeathsig() -> bool:
-    """Ask Linux to SIGKILL this process when its parent dies; False where prctl is unavailable."""
+def _prctl(option: int, value: int) -> bool:
+    """Linux prctl(option, value); False where prctl is unavailable."""
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _pdeathsig() -> bool:
+    """Ask Linux to SIGKILL this process when its parent dies; False where prctl is unavailable."""
+    return _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def children() -> dict[int, str]:
+    """{pid: command} of this process's live children (Linux /proc; empty elsewhere)."""
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+            state, ppid = stat[stat.rindex(")") + 2 :].split()[:2]
+            if int(ppid) == os.getpid() and state != "Z":
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+        except (OSError, ValueError):
+            continue  # it ended while being read
+    return found
+
+
+class Adopted:
+    """While entered, orphans of the run's processes become this process's children; at the exit, every child
+    that was not there before (less `keep()`: the fork server and multiprocessing's resource tracker, which
+    serve later runs) is killed and reaped, and `left` names them."""
+
+    def __init__(self, keep: Callable[[], set[int]]):
+        self.keep, self.left = keep, []
+
+    def __enter__(self) -> Adopted:
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
+        self.before = set(children())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for pid, command in children().items():
+            if pid not in self.before and pid not in self.keep():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, 0)
+                self.left.append(f"pid {pid} ({command.strip()})")
 
 
 def _watch(parent: int, launcher: int) -> None:
@@ -98,7 +145,7 @@ def process_state(pid: int) -> str:
 
 
 class SignalGuard:
-    """SIGINT and SIGTERM, for as long as it is entered (in the main thread; elsewhere it does nothing).
+    """SIGINT, SIGTERM and SIGHUP, for as long as it is entered (in the main thread; elsewhere it does nothing).
 
     The first signal raises `Interrupted` in the main thread unless the run is already `finishing` (writing its
     files: a signal then must not tear them). If the main thread has not taken a signal within WAIT_S (it is
@@ -128,7 +175,7 @@ class SignalGuard:
             return self
         read, write = os.pipe()
         os.set_blocking(write, False)
-        handlers = {s: signal.signal(s, self._handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        handlers = {s: signal.signal(s, self._handler) for s in SIGNALS}
         self._saved = {"handlers": handlers, "fd": signal.set_wakeup_fd(write), "pipe": (read, write)}
         self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True)
         self._watcher.start()
@@ -152,7 +199,7 @@ class SignalGuard:
 
     def _watch(self, read: int) -> None:
         while data := os.read(read, 1):
-            if data[0] not in (signal.SIGINT, signal.SIGTERM):
+            if data[0] not in SIGNALS:
                 continue  # another handler's signal
             self.received += 1
             time.sleep(WAIT_S)

@@ -18,8 +18,6 @@ import datetime
 import multiprocessing
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,9 +30,10 @@ from ..config import RunConfig
 from ..distributed.parallel_state import RankLayout
 from ..errors import ConfigError
 from .binders import Binder, check_all
-from .ending import Interrupted, SignalGuard, die_with_parent, master_preexec, process_state
+from .ending import Adopted, Interrupted, SignalGuard, die_with_parent, process_state
+from .mooncake_master import start_mooncake_master, stop_master
 from .outdir import Claim, OutputError
-from .preflight import preflight
+from .preflight import idle_flags, preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
 from .report import WorldEnd, print_summary, summarize
 
@@ -215,13 +214,16 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
     started = time.perf_counter()
     check_all(cfg, binders)
     preflight(cfg, out_dir)
+    for flag in idle_flags(cfg) if verbose else ():  # said at the start, and in the summary (report.summarize)
+        print(f"warning: {flag}", file=sys.stderr)
     with contextlib.ExitStack() as stack:
         out = Path(out_dir) if out_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         run_id = stack.enter_context(Claim(out)).run_id
+        adopted = stack.enter_context(Adopted(_servers))
         guard = stack.enter_context(SignalGuard())
         if cfg.cache.storage_backend == "mooncake" and not cfg.cache.mooncake_master:
             master, address, url = start_mooncake_master()
-            stack.callback(_stop_master, master)
+            stack.callback(stop_master, master)
             cache = dataclasses.replace(cfg.cache, mooncake_master=address, mooncake_metadata_url=url)
             cfg = dataclasses.replace(cfg, cache=cache)
 
@@ -236,57 +238,16 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
             end = spawn_world(cfg, out, run_id, binders)
         guard.finish()
         merged = summary(end)
+    if adopted.left:  # what the run's code forked and left (ended now): said aloud, in the summary too
+        merged["left_behind"] = adopted.left
+        print(f"ended {len(adopted.left)} process(es) the run left behind: {', '.join(adopted.left)}", file=sys.stderr)
     if verbose:
         print_summary(merged)
     return merged
 
 
-def _stop_master(master: subprocess.Popen) -> None:
-    master.terminate()
-    master.wait()
+def _servers() -> set[int]:
+    """The pids of this process's children that serve every run: the rank fork server, the resource tracker."""
+    from multiprocessing import forkserver, resource_tracker
 
-
-def start_mooncake_master() -> tuple[subprocess.Popen, str, str]:
-    """Start `mooncake_master` on 127.0.0.1 with its HTTP metadata server; returns (process, master address,
-    metadata URL). The caller stops it; it dies with this process."""
-    import mooncake  # optional dependency: imported only when asked for
-
-    binary = Path(mooncake.__file__).parent / "mooncake_master"
-    rpc, http, metrics = free_ports(3)
-    process = subprocess.Popen(
-        [
-            str(binary),
-            f"--port={rpc}",
-            "--rpc_address=127.0.0.1",
-            "--enable_http_metadata_server=true",
-            "--http_metadata_server_host=127.0.0.1",
-            f"--http_metadata_server_port={http}",
-            "--metrics_host=127.0.0.1",
-            f"--metrics_port={metrics}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=master_preexec(os.getpid()),  # it dies with the launcher, even by SIGKILL
-    )
-    deadline = time.monotonic() + 10
-    while not _listening(rpc) and time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with code {process.returncode}")
-        time.sleep(0.1)
-    return process, f"127.0.0.1:{rpc}", f"http://127.0.0.1:{http}/metadata"
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` distinct ports free on 127.0.0.1 right now."""
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
+    return {forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid} - {None}

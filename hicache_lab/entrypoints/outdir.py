@@ -8,6 +8,9 @@
   run's id (in the marker) into its result, so a summary never merges another run's files.
 * A file of the run that cannot be written (full disk, file-size limit, read-only mount) ends the run with
   `OutputError`, which names the file and what to do, never with a traceback.
+* It never writes through a link: the marker and every run file are opened with `O_NOFOLLOW`, a marker that
+  is not a regular file is refused, and the start-of-run cleanup removes links under the lab's names, so a
+  link planted in a shared `--out` cannot make a run overwrite the file it points to.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import fcntl
 import json
 import os
 import re
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -25,9 +29,9 @@ from pathlib import Path
 from ..errors import ConfigError
 
 MARKER = ".hicache_lab_run"
-LAB_FILES = re.compile(
-    r"(rank\d+\.json|trace_rank\d+\.jsonl|rank\d+\.cache_ops\.jsonl|summary\.json|requests\.jsonl"
-    r"|hit_rate_vs_sglang\.png)"
+LAB_FILES = re.compile(  # every file a run writes into --out (a test holds it to what the runs write)
+    r"(rank\d+\.json|trace_rank\d+\.jsonl|rank\d+\.cache_ops\.jsonl|sync_audit_rank\d+\.jsonl|summary\.json"
+    r"|requests\.jsonl|hit_rate_vs_sglang\.png)"
 )
 
 
@@ -43,12 +47,43 @@ def cannot_write(path, exc: OSError) -> OutputError:
     )
 
 
-def write_file(path: Path, text: str) -> None:
-    """`path.write_text(text)`, or OutputError."""
+def _no_links(path: str, flags: int) -> int:
+    """`open`'s opener for the run's files: a symbolic link in the path's last part fails (ELOOP)."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+def open_run_file(path: Path):
+    """`path` opened for writing from its start, never through a symbolic link (OutputError if it is one)."""
     try:
-        path.write_text(text)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "w", opener=_no_links)  # noqa: SIM115 - the caller closes it
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OutputError(f"{path} is a symbolic link: a run never writes through one; remove it") from None
         raise cannot_write(path, exc) from None
+
+
+def write_file(path: Path, text: str) -> None:
+    """`path` holding `text`, or OutputError."""
+    with open_run_file(path) as f:
+        try:
+            f.write(text)
+        except OSError as exc:
+            raise cannot_write(path, exc) from None
+
+
+def _is_marker(path: Path) -> bool:
+    """Whether an earlier run of the lab left `path`; ConfigError if it is there but not a regular file."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(mode):
+        raise ConfigError(
+            f"--out {path.parent}: {MARKER} is not a regular file (a link, or something else a run never writes): "
+            "remove it, or give another --out"
+        )
+    return True
 
 
 class Claim:
@@ -59,7 +94,7 @@ class Claim:
         self.out, self.run_id = out, uuid.uuid4().hex[:12]
         try:
             out.mkdir(parents=True, exist_ok=True)
-            ours = (out / MARKER).is_file()
+            ours = _is_marker(out / MARKER)
             foreign = sorted(p.name for p in out.iterdir() if p.name != MARKER)
         except OSError as exc:
             raise ConfigError(f"--out {out}: {exc.strerror}: give a directory you can write") from None
@@ -69,10 +104,11 @@ class Claim:
                 f"--out {out} holds files no run of the lab wrote ({names}): give a new or empty directory "
                 "(a run deletes what an earlier run left there)"
             )
-        try:
-            self.file = (out / MARKER).open("a+")  # noqa: SIM115 - held open (and locked) until release()
+        try:  # held open (and locked) until release()
+            self.file = open(out / MARKER, "a+", opener=_no_links)  # noqa: SIM115
         except OSError as exc:
             raise cannot_write(out / MARKER, exc) from None
+        os.register_at_fork(after_in_child=self._forked)
         try:
             self._lock()
         except BaseException:
@@ -92,14 +128,19 @@ class Claim:
                 f"--out {self.out} is in use by another run (pid {pid}): wait for it to end, or give another --out"
             ) from None
         for path in self.out.iterdir():
-            if path.is_file() and LAB_FILES.fullmatch(path.name):
-                path.unlink()
+            if LAB_FILES.fullmatch(path.name) and (path.is_symlink() or path.is_file()):
+                path.unlink()  # a link itself, never what it points to
         try:
             self.file.truncate(0)
             self.file.write(json.dumps({"run_id": self.run_id, "pid": os.getpid(), "started": time.time()}) + "\n")
             self.file.flush()
         except OSError as exc:
             raise cannot_write(self.out / MARKER, exc) from None
+
+    def _forked(self) -> None:
+        """In a process forked from the run (a user's --sync-impl may fork): it must not hold the lock."""
+        with contextlib.suppress(OSError):
+            self.file.close()
 
     def release(self) -> None:
         with contextlib.suppress(OSError):  # a marker that could not be written was reported already

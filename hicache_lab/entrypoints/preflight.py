@@ -1,8 +1,11 @@
 """What the configuration alone cannot check, checked before any rank starts: the directories the run writes,
-and whether the machine can hold the world it asks for. Each check raises a ConfigError that names the flag."""
+and whether the machine can hold the world it asks for. Each check raises a ConfigError that names the flag.
+And the flags given that can do nothing in this configuration (`idle_flags`): warned of at the start and listed
+in the summary, since a run that silently ignores a flag answers another question than the one asked."""
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -12,8 +15,9 @@ import torch
 from ..config import RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
-from ..mem_cache.hicache_storage import mooncake_missing
 from ..mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
+from ..mem_cache.mooncake_store import mooncake_missing
+from .args import FIELD_FLAGS
 
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
 PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
@@ -26,12 +30,14 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
         raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
     if c.storage_backend == "mooncake" and (why := mooncake_missing()):
         raise ConfigError(f"--hicache-storage-backend mooncake: {why}; or use --hicache-storage-backend file")
-    for path, flag in (
-        (out_dir, "--out"),
-        (c.storage_dir if c.storage_backend == "file" else None, "--hicache-storage-dir"),
-    ):
-        if path:
-            check_writable_dir(path, flag)
+    if out_dir:
+        check_writable_dir(out_dir, "--out")
+    if c.storage_backend == "file" and c.storage_dir:
+        try:
+            check_writable_dir(c.storage_dir, "--hicache-storage-dir")
+        except ConfigError:  # a pre-filled store shared read-only is read, never written (FileStorage.read_only)
+            if not any(Path(c.storage_dir).glob("*.bin")):
+                raise
     local = os.environ.get("LOCAL_WORLD_SIZE", "") if "TORCHELASTIC_RUN_ID" in os.environ else ""
     here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
     machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
@@ -54,6 +60,36 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
         for stage in range(p.pp):
             layers = len(stage_layers(m.num_layers, p.pp, stage, p.pp_layer_partition))
             c.host_tokens(kv_bytes_per_token(layers, m.num_heads // p.tp, m.head_dim, torch_dtype(m.dtype)))
+
+
+IDLE_UNLESS = (  # (fields, whether they can act, what they need)
+    (("cache.injected_delay_ms",), lambda c: c.cache.latency == "real", "--latency real"),
+    (("cache.max_copy_delay_steps", "cache.prefetch_timeout_steps"), lambda c: c.cache.latency == "virtual",
+     "--latency virtual"),
+    (("cache.hicache_ratio", "cache.hicache_size_gb", "cache.write_policy", "cache.host_layout",
+      "cache.load_back_threshold"), lambda c: c.cache.enable_hierarchical_cache, "--enable-hierarchical-cache"),
+    (("cache.storage_writers", "cache.prefetch_policy", "cache.prefetch_threshold", "cache.prefetch_timeout_steps",
+      "cache.prefetch_timeout_base_s", "cache.prefetch_timeout_per_ki_token_s"),
+     lambda c: c.cache.storage_backend != "none", "--hicache-storage-backend"),
+    (("cache.storage_dir",), lambda c: c.cache.storage_backend == "file", "--hicache-storage-backend file"),
+    (("cache.mooncake_master", "cache.mooncake_metadata_url"), lambda c: c.cache.storage_backend == "mooncake",
+     "--hicache-storage-backend mooncake"),
+    (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "--trace-file"),
+    (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "--pp 2 or more"),
+    (("parallel.consensus_check",), lambda c: c.parallel.world_size > 1, "two ranks or more"),
+)  # fmt: skip
+
+
+def idle_flags(cfg: RunConfig) -> list[str]:
+    """Each flag set away from its default that cannot act in `cfg`, with what it needs, in words."""
+    default, idle = RunConfig(), []
+    for fields, acts, needs in IDLE_UNLESS:
+        for field in fields:
+            section, name = field.split(".")
+            value = getattr(getattr(cfg, section), name)
+            if value != getattr(getattr(default, section), name) and not acts(cfg) and FIELD_FLAGS[field] not in idle:
+                idle.append(f"{FIELD_FLAGS[field]} {value} does nothing without {needs}")
+    return idle
 
 
 def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
@@ -94,16 +130,21 @@ def check_writable_dir(path: str | Path, flag: str) -> None:
     directory. A relative path starts at the working directory, which the message then names."""
     path = Path(path)
     whole = path.absolute()
-    nearest = next(p for p in (whole, *whole.parents) if p.exists())
+    try:
+        nearest = next(p for p in (whole, *whole.parents) if p.exists())
+    except OSError as e:  # a name past the system's limits (ENAMETOOLONG)
+        raise ConfigError(f"{flag} {str(path)[:80]}...: {e.strerror}: give a shorter path") from None
     where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
     elsewhere = "" if path.is_absolute() else ", or run from a writable working directory"
     if not nearest.is_dir():
         detail = "is a file: give a directory" if nearest == whole else f": {nearest} is a file, not a directory{where}"
         raise ConfigError(f"{flag} {path} {detail}" if nearest == whole else f"{flag} {path}{detail}")
     try:
+        if os.statvfs(nearest).f_flag & os.ST_RDONLY:
+            raise OSError(errno.EROFS, "it is on a read-only mount")
         if not os.access(nearest, os.W_OK | os.X_OK):
-            raise PermissionError("this user may not")
-        tempfile.TemporaryFile(dir=nearest).close()  # root passes os.access on a read-only or virtual file system
+            raise PermissionError(errno.EACCES, "this user may not")
+        tempfile.TemporaryFile(dir=nearest).close()  # root passes os.access on a virtual file system
     except OSError as e:
         raise ConfigError(
             f"{flag} {path} is not writable{where}: cannot create a file in {nearest} ({e.strerror or e}); "

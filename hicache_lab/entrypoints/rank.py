@@ -26,13 +26,14 @@ from ..managers.step_trace import TraceWriter, trace_path
 from ..managers.workload import Feeder, make_workload
 from ..mem_cache.base import BasePrefixCache, StorageBackend
 from ..mem_cache.build import KVShape, build_cache
-from ..mem_cache.hicache_storage import FileStorage, MooncakeStorage, is_storage_writer, storage_suffix
+from ..mem_cache.hicache_storage import FileStorage, is_storage_writer, storage_suffix
+from ..mem_cache.mooncake_store import MooncakeStorage
 from ..model import TinyModel
 from .args import FIELD_FLAGS
 from .binders import Binder, RankParts
 from .ending import Interrupted, SignalGuard
 from .oracle import check_outputs
-from .outdir import cannot_write, write_file
+from .outdir import cannot_write, open_run_file, write_file
 from .report import round_rows, scheduling_counts, write_requests
 
 # what a rank sees when a peer fails it: a collective or the store waiting for one that never came, a connection lost
@@ -56,7 +57,8 @@ def build_storage(cfg: RunConfig, sync: CacheSync, layers: range, kv: KVShape, d
     tp_rank, tp = layout.tp_rank, layout.tp
     if c.storage_writers == "every-rank":
         tp_rank, tp = layout.cp_rank * layout.tp + layout.tp_rank, layout.tp * layout.cp
-    suffix = storage_suffix(cfg.model, tp_rank, tp, layers, sync.storage_key_cp_rank())
+    heads = range(layout.tp_rank * kv.num_heads, (layout.tp_rank + 1) * kv.num_heads)  # the attention-TP shard
+    suffix = storage_suffix(cfg.model, tp_rank, tp, heads, layers, sync.storage_key_cp_rank())
     if c.storage_backend == "mooncake":
         return MooncakeStorage(c.mooncake_master, c.mooncake_metadata_url, suffix, kv.bytes_per_token * c.page_size)
     backend = FileStorage(directory, suffix)
@@ -84,6 +86,7 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
     kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device, model.dtype)
     storage_dir = Path(c.storage_dir or out_dir / "storage")
     built = next(filter(None, (binder.build_cache(cfg, sync, kv, storage_dir) for binder in binders)), None)
+    backend = None
     if built is not None:
         pool, cache = built
     else:
@@ -94,8 +97,9 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
         asked = binder.wrap_cache(cfg, asked, out_dir, layout.rank)
     w = cfg.workload
     scheduler = Scheduler(asked, w.max_running_requests, w.chunk_size, w.max_prefill_tokens, p.micro_batches, p.pp)
-    feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size) if layout.pp_rank == 0 else None
-    trace = TraceWriter(trace_path(out_dir, layout.rank), layout.rank)
+    prior = backend.stored_hashes() if isinstance(backend, FileStorage) else set()  # a store filled before the run
+    feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size, prior) if layout.pp_rank == 0 else None
+    trace = TraceWriter(open_run_file(trace_path(out_dir, layout.rank)), layout.rank)
     loop = StageLoop(groups, sync, scheduler, model, pool, feeder, trace, p.consensus_check)
     parts = RankParts(layout.rank, sync, cache, loop)
     reports = [report for binder in binders if (report := binder.bind(cfg, parts, out_dir)) is not None]

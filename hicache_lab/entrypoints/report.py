@@ -13,6 +13,7 @@ from ..config import RunConfig
 from ..managers.schedule_batch import Req
 from ..managers.step_trace import StepRecord, first_divergence, read_trace
 from .outdir import write_file
+from .preflight import idle_flags
 
 
 def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
@@ -209,6 +210,7 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) ->
     summary = {
         "config": dataclasses.asdict(cfg),
         "sglang_flags": sglang_flags(cfg),
+        "idle_flags": idle_flags(cfg),  # flags given that could do nothing here (preflight.IDLE_UNLESS)
         "run_id": end.run_id,
         "completed": completed,
         "crashed": not completed and failing is not None,
@@ -256,6 +258,8 @@ def print_summary(summary: dict) -> None:
         )
     if summary["outputs_match_reference"] is not None:
         print(f"outputs_match_reference: {summary['outputs_match_reference']}")
+    for flag in summary.get("idle_flags", []):
+        print(f"warning: {flag}")
 
 
 def storage_hit_rate(summary: dict) -> float:

@@ -4,9 +4,13 @@ directory and writes the summary, even when a rank died; what each rank that lef
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import time
+from functools import partial
 from pathlib import Path
+
+import torch.distributed as dist
 
 from ..config import RunConfig
 from ..errors import ConfigError
@@ -37,9 +41,8 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         if rank == 0:
             end = WorldEnd(run_id)
             guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
-        result = join_and_run(
-            cfg, rank, lambda: None, out_dir, run_id, guard, binders
-        )  # no store: env:// (MASTER_ADDR/PORT)
+        store = partial(env_store, rank, world, cfg.parallel.collective_timeout_s)
+        result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
         if rank != 0:
             if not result["completed"]:
                 os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
@@ -51,6 +54,32 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
     print_summary(summary)
     return summary
+
+
+def env_store(rank: int, world: int, timeout_s: float) -> dist.Store:
+    """The world's store at MASTER_ADDR:MASTER_PORT: torchrun's agent serves it (TORCHELASTIC_USE_AGENT_STORE),
+    else rank 0 does (ranks started by hand). A port another world holds, or a RANK another process has joined
+    with, is a ConfigError naming both: else the second rank 0 fails on a bare EADDRINUSE, and a rank that found
+    another world's store waits in it until that world ends."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        store = dist.TCPStore(host, port, world, is_master=serves, timeout=timeout, wait_for_workers=False)
+    except (RuntimeError, OSError) as exc:
+        if serves and "EADDRINUSE" in str(exc):
+            raise ConfigError(
+                f"MASTER_PORT {port} is taken: another world, or a second process with RANK=0, listens there; give "
+                "each world its own MASTER_PORT and each rank its own RANK"
+            ) from None
+        raise
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if store.add(f"hicache_lab/joined/{attempt}/rank{rank}", 1) > 1:
+        raise ConfigError(
+            f"RANK={rank} has joined the world at {host}:{port} already: another world uses this MASTER_PORT, or "
+            f"two processes were given RANK={rank}; give each world its own MASTER_PORT and each rank its own RANK"
+        )
+    return dist.PrefixStore("hicache_lab", store)
 
 
 def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:

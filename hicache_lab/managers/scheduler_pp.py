@@ -109,9 +109,10 @@ class StageLoop:
     def drain_sends(self, before: int | None = None) -> None:
         """Wait for the sends of iterations before `before` (all if None), so the list stays bounded.
 
-        At iteration i only sends of iterations <= i - pp are waited for: stage 0 takes back the sampled
-        tokens of iteration j only at the end of iteration j + pp - 1, so waiting for newer ones would make the
-        last stage wait on stage 0 — a cycle as soon as anything else (a consensus check) makes stage 0 wait on it.
+        At iteration i only sends of iterations <= i - loop_size are waited for: stage 0 takes back the sampled
+        tokens of iteration j only at the end of iteration j + loop_size - 1 (loop_size: pp plus the async
+        depth), so waiting for newer ones would make the last stage wait on stage 0 — a cycle as soon as
+        anything else (a consensus check, a storage query) makes stage 0 wait on it.
         """
         keep = []
         for iteration, work, tensor in self.sends:
@@ -133,7 +134,7 @@ class StageLoop:
             if stop:
                 break
             if new_round:
-                self.drain_sends(before=iteration - self.pp_size + 1)
+                self.drain_sends(before=iteration - self.loop_size + 1)
                 self.scheduler.new_round(flush=iteration > 0)
             self.reqs += reqs
             self.scheduler.add(reqs)

@@ -14,6 +14,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 # In causal order: acks decide locks, locks decide batches, batches decide the tree.
 DIVERGENCE_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "prefix_tokens", "digest")
@@ -60,10 +61,8 @@ class TraceWriter:
     """One rank's trace file, flushed line by line. A write that fails (a full disk) raises OSError naming the
     file; `close()` then does not raise again for the line it could not write."""
 
-    def __init__(self, path: Path, rank: int):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank, self.path = rank, path
-        self.file = path.open("w")  # noqa: SIM115 - held open for the whole run, closed by close()
+    def __init__(self, file: TextIO, rank: int):
+        self.rank, self.path, self.file = rank, file.name, file  # held open for the whole run, closed by close()
 
     def write(self, record: StepRecord) -> None:
         try:

@@ -97,11 +97,14 @@ def make_workload(cfg: WorkloadConfig, vocab_size: int) -> MultiTurnWorkload | M
 
 
 class InfiniteCache:
-    """The set of every page-hash chain ever cached: matching against it gives the upper-bound hit."""
+    """The set of every page-hash chain ever cached: matching against it gives the upper-bound hit. It holds what
+    a store held before the run (`prior`), every answered request's prompt and answer, and, as each request
+    arrives, its prompt: a request arriving in the same window as another (a trace replayed without the round
+    barrier) may find that one's prompt, inserted at its prefill."""
 
-    def __init__(self, page_size: int):
+    def __init__(self, page_size: int, prior: set[str] | frozenset[str] = frozenset()):
         self.page_size = page_size
-        self.seen: set[str] = set()
+        self.seen: set[str] = set(prior)
 
     def match(self, req: Req) -> int:
         matched = 0
@@ -111,9 +114,9 @@ class InfiniteCache:
             matched += self.page_size
         return matched
 
-    def add(self, req: Req) -> None:
-        aligned = page_floor(req.kv_len, self.page_size)
-        self.seen.update(page_hashes(tuple((req.prompt + req.output)[:aligned]), self.page_size))
+    def add(self, req: Req, tokens: list[int] | None = None) -> None:
+        tokens = (req.prompt + req.output)[: req.kv_len] if tokens is None else tokens  # those with K/V
+        self.seen.update(page_hashes(tuple(tokens[: page_floor(len(tokens), self.page_size)]), self.page_size))
 
 
 class Feeder:
@@ -123,9 +126,9 @@ class Feeder:
     next turn arrives as soon as its previous one is answered.
     """
 
-    def __init__(self, workload: MultiTurnWorkload | MooncakeWorkload, page_size: int):
+    def __init__(self, workload: MultiTurnWorkload | MooncakeWorkload, page_size: int, prior=frozenset()):
         self.workload, self.cfg = workload, workload.cfg
-        self.bound = InfiniteCache(page_size)
+        self.bound = InfiniteCache(page_size, prior)
         self.arrived: list[Req] = []
         self.queued = workload.round_requests(0)
         self.next_round = 1
@@ -140,6 +143,7 @@ class Feeder:
             arriving = []
         for req in arriving:
             req.upper_bound_cached = self.bound.match(req)
+            self.bound.add(req, req.prompt)
         self.arrived += arriving
         self.outstanding += len(arriving)
         return arriving, new_round

@@ -1,4 +1,5 @@
-"""L3 storage backends: where host pages go to outlive the host pool (and the process).
+"""L3 storage: where host pages go to outlive the host pool (and the process). The keys, and the file backend;
+the Mooncake backend is mooncake_store.py.
 
 A page is stored under its key: the page's sha256 chain hash (utils.page_hashes) plus a suffix naming the
 model (a fingerprint of everything in its config that changes the bytes, and the dtype: SGLang's keys leave the
@@ -27,16 +28,12 @@ corrupted or misnamed file (a valid page copied over another), or one that is no
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 import tempfile
-import threading
 from collections import Counter
 from pathlib import Path
 
@@ -48,8 +45,6 @@ from .memory_pool_host import HostKVPool
 
 log = logging.getLogger(__name__)
 MAGIC = b"HCLP2"  # file format tag: magic, 32-byte sha256 of key and payload, payload (K/V of one page, pool dtype)
-MOONCAKE_RPC_FAIL = -900  # Mooncake's ErrorCode::RPC_FAIL: the master did not answer
-MOONCAKE_MIN_SEGMENT = 16 << 20  # the smallest global segment a Mooncake client accepts (its setup refuses less)
 
 
 def model_fingerprint(model: ModelConfig) -> str:
@@ -61,9 +56,14 @@ def model_fingerprint(model: ModelConfig) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
 
 
-def storage_suffix(model: ModelConfig, tp_rank: int, tp: int, layers: range, cp_rank: int | None = None) -> str:
-    """What distinguishes one rank's copy of a page from another's; `cp_rank` only to reproduce the bug."""
-    suffix = f"m{model_fingerprint(model)}_tp{tp_rank}of{tp}_L{layers.start}-{layers.stop}"
+def storage_suffix(
+    model: ModelConfig, tp_rank: int, tp: int, heads: range, layers: range, cp_rank: int | None = None
+) -> str:
+    """What distinguishes one rank's copy of a page from another's: the model, the writer's rank of how many,
+    the heads and layers the page holds (a `--tp 2` rank and a `--cp 2` rank are both `tp1of2`, holding
+    different heads); `cp_rank` only to reproduce the bug."""
+    where = f"tp{tp_rank}of{tp}_h{heads.start}-{heads.stop}_L{layers.start}-{layers.stop}"
+    suffix = f"m{model_fingerprint(model)}_{where}"
     return suffix if cp_rank is None else f"{suffix}_cp{cp_rank}"
 
 
@@ -78,6 +78,17 @@ class FileStorage:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.suffix = suffix
         self.stats: Counter[str] = Counter()
+        # a store this process cannot write (a shared, pre-filled cache on a read-only mount) is read, never written
+        self.read_only = not os.access(self.directory, os.W_OK) or bool(
+            os.statvfs(self.directory).f_flag & os.ST_RDONLY
+        )
+        if self.read_only:
+            log.warning("storage directory %s is read-only: its pages are read, none is written", self.directory)
+
+    def stored_hashes(self) -> set[str]:
+        """The page hashes this key set holds now (what a store filled before the run offers it)."""
+        tail = f"_{self.suffix}.bin"
+        return {p.name[: -len(tail)] for p in self.directory.glob(f"*{tail}")}
 
     def _path(self, page_hash: str) -> Path:
         return self.directory / f"{page_hash}_{self.suffix}.bin"
@@ -103,6 +114,8 @@ class FileStorage:
         return len(hashes)
 
     def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
+        if self.read_only:
+            return 0
         for i, (page_hash, slots) in enumerate(zip(hashes, page_slots, strict=True)):
             try:
                 self._write(page_hash, host.page_data(slots))
@@ -114,6 +127,8 @@ class FileStorage:
         return len(hashes)
 
     def clear(self) -> None:
+        if self.read_only:
+            return
         for path in self.directory.glob(f"*_{self.suffix}.bin"):
             path.unlink(missing_ok=True)
 
@@ -121,14 +136,16 @@ class FileStorage:
         pass
 
     def damage(self, page_hash: str) -> None:
-        """Flip one payload byte of a stored page in place (`--fault damage-page`); a page not stored stays so."""
+        """Replace a stored page by a copy with its last byte flipped (`--fault damage-page`): a new file, so a
+        hard link to the page (a backup) or a link's target keeps the good one; a page not stored stays so."""
         path = self._path(page_hash)
         if path.is_file():
-            with open(path, "r+b") as f:
-                f.seek(-1, os.SEEK_END)
-                last = f.read(1)
-                f.seek(-1, os.SEEK_END)
-                f.write(bytes([last[0] ^ 0xFF]))
+            raw = bytearray(path.read_bytes())
+            raw[-1] ^= 0xFF
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+            os.replace(tmp, path)
 
     def _key(self, page_hash: str) -> bytes:
         return f"{page_hash}_{self.suffix}".encode()
@@ -148,13 +165,17 @@ class FileStorage:
         path, expected = self._path(page_hash), len(MAGIC) + 32 + dtype.itemsize * torch.Size(shape).numel()
         try:  # non-blocking, and regular files only: a FIFO or device under a page's name must not stall a read
             fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        except OSError:
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # no permission, no file descriptor left: a miss, said aloud
+            log.warning("storage page %s cannot be opened (%s): treated as a miss", path.name, exc.strerror)
+            return None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # before a file object exists: a directory would raise there
+            os.close(fd)
+            log.warning("storage page %s is not a regular file: treated as a miss", path.name)
+            self.stats["corrupted"] += 1
             return None
         with os.fdopen(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                log.warning("storage page %s is not a regular file: treated as a miss", path.name)
-                self.stats["corrupted"] += 1
-                return None
             raw = f.read(expected + 1)
         start = len(MAGIC) + 32
         payload, checksum = raw[start:], raw[len(MAGIC) : start]
@@ -166,116 +187,3 @@ class FileStorage:
             return torch.frombuffer(bytearray(payload), dtype=dtype).view(shape)
         self.stats["corrupted"] += 1
         return None
-
-
-MOONCAKE_INSTALL = (
-    "pip install mooncake-transfer-engine-non-cuda, and the system library libibverbs1 (apt-get install libibverbs1)"
-)
-
-
-@functools.cache
-def mooncake_missing() -> str | None:
-    """Why Mooncake cannot run on this machine (None: it can). Its package may be installed while its import
-    fails: the client and `mooncake_master` need the system library libibverbs1. Probed in a subprocess, so
-    that a library that loads half-way never stays in this process."""
-    probe = subprocess.run([sys.executable, "-c", "import mooncake.store"], capture_output=True, text=True)
-    if probe.returncode == 0:
-        return None
-    lines = probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"]
-    return f"`import mooncake.store` fails here ({lines[-1]}): {MOONCAKE_INSTALL}"
-
-
-class MooncakeStorage:
-    """Mooncake's distributed KV store, the L3 that SGLang users run (`mooncake-transfer-engine-non-cuda`;
-    its import needs the system library `libibverbs1`). Pages travel zero-copy through one registered
-    staging buffer with the store's batch calls, one batch at a time (the read and backup threads share it).
-    A master that stops answering (RPC_FAIL) takes the store with it: its index of what the store holds lives
-    in its memory, so the rank counts the store as lost and answers every later call at once with a miss (a
-    failed put to a dead master takes seconds). Mooncake clients listen on every interface, so the lab runs
-    them inside a loopback-only network namespace (see tests/mem_cache/test_mooncake_storage.py)."""
-
-    def __init__(self, master: str, metadata_url: str, suffix: str, page_bytes: int, batch_pages: int = 128):
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as exc:
-            raise RuntimeError(f"--hicache-storage-backend mooncake needs {MOONCAKE_INSTALL}: {exc}") from exc
-        self.store = MooncakeDistributedStore()
-        segment = 2 * page_bytes * batch_pages
-        global_segment = max(MOONCAKE_MIN_SEGMENT, 64 * segment)
-        if self.store.setup("127.0.0.1", metadata_url, global_segment, segment, "tcp", "", master) != 0:
-            raise RuntimeError(f"could not join the Mooncake store at master {master}: is mooncake_master running?")
-        self.suffix, self.page_bytes, self.batch_pages = suffix, page_bytes, batch_pages
-        self.staging = torch.zeros(batch_pages * page_bytes, dtype=torch.uint8)  # bytes: any pool dtype fits
-        if self.store.register_buffer(self.staging.data_ptr(), self.staging.numel()) != 0:
-            raise RuntimeError("Mooncake refused to register the staging buffer")
-        self.staging_lock = threading.Lock()
-        self.master, self.lost = master, False
-        self.stats: Counter[str] = Counter()
-
-    def _chunks(self, hashes: list[str], page_slots: list[torch.Tensor]):
-        """(keys, host slots per page, staging addresses, sizes) for each batch the staging buffer holds."""
-        base = self.staging.data_ptr()
-        for start in range(0, len(hashes), self.batch_pages):
-            keys = [f"{h}_{self.suffix}" for h in hashes[start : start + self.batch_pages]]
-            addresses = [base + i * self.page_bytes for i in range(len(keys))]
-            yield keys, page_slots[start : start + self.batch_pages], addresses, [self.page_bytes] * len(keys)
-
-    def _staged(self, i: int, host: HostKVPool) -> torch.Tensor:
-        """The staging bytes of the batch's page i, as elements of the host pool's dtype."""
-        return self.staging[i * self.page_bytes : (i + 1) * self.page_bytes].view(host.dtype)
-
-    def _answered(self, codes: list[int]) -> bool:
-        """Whether the master answered the call that returned `codes`; if not, the store is lost from now on."""
-        if MOONCAKE_RPC_FAIL in codes and not self.lost:
-            log.warning("the Mooncake master at %s does not answer: its store is lost, later calls miss", self.master)
-            self.lost = True
-        return not self.lost
-
-    def batch_exists(self, hashes: list[str]) -> int:
-        if self.lost:
-            return 0
-        found = self.store.batch_is_exist([f"{h}_{self.suffix}" for h in hashes])
-        if not self._answered(found):
-            return 0
-        return next((i for i, present in enumerate(found) if present != 1), len(found))
-
-    def batch_get(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
-        done = 0
-        for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
-            if self.lost:
-                return done
-            with self.staging_lock:
-                read = self.store.batch_get_into(keys, addresses, sizes)
-                for i, (size, page) in enumerate(zip(read, slots, strict=True)):
-                    if size != self.page_bytes or not self._answered(read):
-                        self.stats["read_misses"] += 1
-                        return done
-                    host.set_page_data(page, self._staged(i, host).view(host.page_shape(len(page))))
-                    done += 1
-                    self.stats["pages_read"] += 1
-        return done
-
-    def batch_set(self, hashes: list[str], host: HostKVPool, page_slots: list[torch.Tensor]) -> int:
-        done = 0
-        for keys, slots, addresses, sizes in self._chunks(hashes, page_slots):
-            if self.lost:
-                return done
-            with self.staging_lock:
-                for i, page in enumerate(slots):
-                    self._staged(i, host).copy_(host.page_data(page).flatten())
-                results = self.store.batch_put_from(keys, addresses, sizes)
-            self._answered(results)
-            ok = next((i for i, rc in enumerate(results) if rc != 0), len(results))
-            done += ok
-            self.stats["pages_written"] += ok
-            if ok < len(results):
-                log.warning("Mooncake put failed (rc %s): the page is not stored", results[ok])
-                self.stats["write_failures"] += 1
-                return done
-        return done
-
-    def clear(self) -> None:
-        self.store.remove_by_regex(f".*_{self.suffix}$")
-
-    def close(self) -> None:
-        self.store.close()

@@ -11,9 +11,10 @@ import torch
 from hicache_lab.config import CacheConfig
 from hicache_lab.mem_cache.base import BaseHiCache, BasePrefixCache, CopyEngine, CopyEvent, StorageBackend
 from hicache_lab.mem_cache.copy_engine import CopyJob, ThreadCopyEngine, VirtualCopyEngine
-from hicache_lab.mem_cache.hicache_storage import FileStorage, MooncakeStorage
+from hicache_lab.mem_cache.hicache_storage import FileStorage
 from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
 from hicache_lab.mem_cache.memory_pool import PageAllocator
+from hicache_lab.mem_cache.mooncake_store import MooncakeStorage
 from hicache_lab.mem_cache.radix_cache import RadixCache
 
 

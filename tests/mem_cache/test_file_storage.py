@@ -62,10 +62,12 @@ def test_damaged_files_are_misses_not_data(tmp_path):
 
 def test_keys_name_model_shard_and_stage_but_not_the_cp_rank():
     model = ModelConfig()
-    fixed = storage_suffix(model, tp_rank=1, tp=2, layers=range(0, 2))
-    assert fixed == f"m{model_fingerprint(model)}_tp1of2_L0-2"
-    assert storage_suffix(model, 1, 2, range(0, 2), cp_rank=1).endswith("_cp1")
-    assert storage_suffix(model, 1, 2, range(2, 4)) != fixed
+    fixed = storage_suffix(model, tp_rank=1, tp=2, heads=range(2, 4), layers=range(0, 2))
+    assert fixed == f"m{model_fingerprint(model)}_tp1of2_h2-4_L0-2"
+    assert storage_suffix(model, 1, 2, range(2, 4), range(0, 2), cp_rank=1).endswith("_cp1")
+    assert storage_suffix(model, 1, 2, range(2, 4), range(2, 4)) != fixed
+    # CP rank 1 of `--cp 2` writes under the global TP rank 1 of 2 too, holding every head: another page
+    assert storage_suffix(model, 1, 2, range(0, 4), range(0, 2)) != fixed
 
 
 def test_every_field_that_changes_the_bytes_changes_the_key():
@@ -103,7 +105,7 @@ def test_bf16_pages_round_trip_exactly_through_the_file_store(tmp_path):
 
 def test_a_float32_pool_reads_a_bf16_page_as_a_miss_not_as_data(tmp_path):
     """Under their own keys the two dtypes never meet; a bf16 page under a float32 key is still a miss."""
-    suffix = {d: storage_suffix(ModelConfig(dtype=d), 0, 1, range(0, 2)) for d in ("float32", "bfloat16")}
+    suffix = {d: storage_suffix(ModelConfig(dtype=d), 0, 1, range(0, 4), range(0, 2)) for d in ("float32", "bfloat16")}
     assert suffix["float32"] != suffix["bfloat16"]
     hashes = page_hashes(tuple(range(8)), 4)
     FileStorage(tmp_path, suffix["bfloat16"]).batch_set(hashes, host_pool("page_first", torch.bfloat16), pages(2))
@@ -116,3 +118,30 @@ def test_a_float32_pool_reads_a_bf16_page_as_a_miss_not_as_data(tmp_path):
     assert store32.batch_exists(hashes) == 2, "the files are there"
     assert store32.batch_get(hashes, host32, pages(2)) == 0, "and half a page's bytes are a miss"
     assert not host32.kv.any(), "nothing written"
+
+
+def test_a_directory_under_a_pages_name_costs_that_page_and_no_file_descriptor(tmp_path):
+    host, store = host_pool(), FileStorage(tmp_path, "s")
+    hashes = page_hashes(tuple(range(12)), 4)
+    store.batch_set(hashes, host, pages(3))
+    (tmp_path / f"{hashes[1]}_s.bin").unlink()
+    (tmp_path / f"{hashes[1]}_s.bin").mkdir()
+    open_fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert store.batch_get(hashes, host, pages(3)) == 1  # the page before it arrives; the rest is a miss
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+    assert store.stats["corrupted"] == 50
+
+
+def test_a_store_this_process_cannot_write_is_read_and_never_written(tmp_path, monkeypatch):
+    """A pre-filled store shared read-only (a read-only mount; here os.access says so, as it would for root
+    there): its pages are read, and a backup writes nothing rather than failing page by page."""
+    host = host_pool()
+    hashes = page_hashes(tuple(range(12)), 4)
+    FileStorage(tmp_path, "s").batch_set(hashes[:2], host, pages(2))
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    shared = FileStorage(tmp_path, "s")
+    assert shared.read_only and shared.batch_get(hashes, host, pages(3)) == 2
+    assert shared.batch_set(hashes[2:], host, pages(1)) == 0 and shared.batch_exists(hashes) == 2
+    shared.clear()
+    assert shared.batch_exists(hashes) == 2

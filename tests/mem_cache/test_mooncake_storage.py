@@ -18,7 +18,7 @@ import time
 import pytest
 
 from hicache_lab.lab.check.hostile.judge import processes
-from hicache_lab.mem_cache.hicache_storage import mooncake_missing
+from hicache_lab.mem_cache.mooncake_store import mooncake_missing
 
 NETNS_SETUP = (
     "ip link set lo up && ip link add hcv0 type veth peer name hcv1 && "

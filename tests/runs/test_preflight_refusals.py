@@ -39,7 +39,7 @@ def test_mooncake_where_it_cannot_run_is_refused_before_any_rank_starts(tmp_path
     """Where Mooncake cannot run (its package or the system library libibverbs1 missing), a run on it is refused
     naming what to install; where it can, the same flags pass the check that refuses them."""
     from hicache_lab.__main__ import main
-    from hicache_lab.mem_cache.hicache_storage import mooncake_missing
+    from hicache_lab.mem_cache.mooncake_store import mooncake_missing
 
     flags = ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
     if why := mooncake_missing():

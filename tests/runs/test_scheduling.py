@@ -54,6 +54,24 @@ def test_a_fixed_pipeline_agrees_through_chunks_and_retractions_and_legacy_does_
     assert legacy["diverged"]
 
 
+@pytest.mark.spawns
+def test_an_async_pipeline_flushed_between_rounds_with_a_store_agrees_and_legacy_does_not(world_config, tmp_path):
+    """`--pp-async-batch-depth 1` with a file store and a flush: at a new round the last stage waited for sends
+    of the last `pp` iterations, which stage 0 takes back only after `pp + depth`, while stage 0 waited for the
+    last stage's storage query (a deadlock of fixed sync, adversarial review T2). The drain counts every slot."""
+
+    def world(sync):
+        cfg = world_config(pp=2, sync=sync, pp_async_batch_depth=1)
+        store = {"storage_backend": "file", "storage_dir": str(tmp_path / sync / "store")}
+        return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, flush_between_rounds=True, **store))
+
+    fixed = run(world("fixed"), tmp_path / "fixed", verbose=False)
+    legacy = run(world("legacy"), tmp_path / "legacy", verbose=False)
+    assert fixed["completed"] and not fixed["diverged"] and fixed["outputs_match_reference"], fixed["error"]
+    assert sum(r["cached_storage"] for r in fixed["rounds"]) > 0  # the store was read after each flush
+    assert legacy["diverged"]
+
+
 def step(s: Scheduler, iteration: int):
     batch = s.schedule(iteration)
     s.process_result(batch, [7] * len(batch.reqs), None)

@@ -9,7 +9,8 @@ the storage tier on or off (with a prefetch policy, maybe flushing between round
 a chunked prefill size, an answer length (long answers run out of decode memory: retractions), a fault on one
 rank in a third of the cases (`alloc-fail:R@N`, its Nth slot allocation for a copy fails; or, with the file
 store, `damage-page:R@N`, the Nth page it reads is damaged on disk), in a quarter a pause of one rank
-(SIGSTOP, then SIGCONT 1-4 s later: well inside the collective timeout), and a workload seed. The same case
+(SIGSTOP, then SIGCONT 1-4 s later: well inside the collective timeout), at PP > 1 an async batch depth of
+0-2 micro-batches (`--pp-async-batch-depth`), and a workload seed. The same case
 then runs once in each mode (`fixed`, `legacy`), as its own `python -m hicache_lab run` process group with a
 hard wall-clock limit. A `fixed` case with an allocation fault also turns on the proposals that answer it
 (`parallel_config.PROPOSALS`: #31425, #38273), which no release has: released 0.5.23 fails there, as SGLang
@@ -48,8 +49,9 @@ from ...parallel_config import PROPOSALS, SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
 from .hostile.command import add_hostile_flags, cmd_hostile
 from .hostile.common import forked_ranks
+from .soak_results import OUTCOMES, is_true, read_rows, write_table
 
-OUTCOMES = ("diverged", "crashed", "hung", "mismatched")
+MIN_LIMIT_S = 20  # seconds: below it, runs whose ranks are still starting would be counted as hangs
 
 
 @dataclass
@@ -70,6 +72,7 @@ class Case:
     output_length: int  # 8, or 32 (admitted as if they might stop early): decode memory runs short, retractions
     fault: str  # "alloc-fail:R@N" or "damage-page:R@N" (file store only); "" for none
     pause: str  # "R@T+D": rank R is stopped T s after the start, for D s; "" for none
+    depth: int  # --pp-async-batch-depth (0-2 at pp > 1): micro-batch slots beyond pp
 
     @property
     def ranks(self) -> int:
@@ -83,6 +86,7 @@ class Case:
             "--page-size", str(self.page_size), "--hicache-write-policy", self.write_policy,
             "--latency", self.latency, "--seed", str(self.seed), "--collective-timeout", "30",
         ]  # fmt: skip
+        args += ["--pp-async-batch-depth", str(self.depth)] if self.depth else []
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
@@ -112,7 +116,7 @@ def draw_case(seed: int, index: int, max_ranks: int) -> Case:
         kind = "damage-page" if storage and rng.random() < 0.5 else "alloc-fail"
         fault = f"{kind}:{rng.integers(0, ranks)}@{rng.integers(0, 30)}"
     pause = f"{rng.integers(0, ranks)}@{rng.uniform(0.5, 4):.1f}+{rng.uniform(1, 4):.1f}" if rng.random() < 0.25 else ""
-    return Case(
+    case = Case(
         case=index,
         seed=int(rng.integers(0, 2**31)),
         tp=tp,
@@ -129,7 +133,10 @@ def draw_case(seed: int, index: int, max_ranks: int) -> Case:
         output_length=int(rng.choice([8, 32])),
         fault=fault,
         pause=pause,
+        depth=0,
     )
+    case.depth = int(rng.integers(0, 3)) if pp > 1 else 0  # drawn last: the earlier fields are as they were
+    return case
 
 
 def rank_pids(launcher: int, ranks: int) -> list[int]:
@@ -196,42 +203,6 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
     return row
 
 
-def summarize_rows(rows: list[dict], modes: list[str]) -> str:
-    """Two Markdown tables: per mode, how many runs ended in each way and what pressure they ran under; per mode
-    and world size, runs and failures."""
-    lines = [
-        "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate | runs with chunks "
-        "| runs with retractions | allocation faults (fired) | page damage (fired) | rank pauses |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
-    ]
-    for mode in modes:
-        mine = [r for r in rows if r["mode"] == mode]
-        counts = [sum(_flag(r[k]) for r in mine) for k in OUTCOMES]
-        rate = counts[0] / len(mine) if mine else 0.0
-        pressure = [sum(int(r[k] or 0) > 0 for r in mine) for k in ("chunks", "retractions")]
-        faults = []
-        for kind in ("alloc-fail", "damage-page"):
-            drawn = [r for r in mine if r["fault"].startswith(kind)]
-            faults.append(f"{len(drawn)} ({sum(_flag(r['fault_fired']) for r in drawn)})")
-        pauses = sum(r["paused"] == "paused" for r in mine)
-        lines.append(
-            f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | "
-            f"{' | '.join(map(str, pressure))} | {' | '.join(faults)} | {pauses} |"
-        )
-    lines += ["", "| mode | ranks | runs | failures |", "|---|--:|--:|--:|"]
-    for mode in modes:
-        for ranks in sorted({int(r["ranks"]) for r in rows if r["mode"] == mode}):
-            mine = [r for r in rows if r["mode"] == mode and int(r["ranks"]) == ranks]
-            failed = sum(any(_flag(r[k]) for k in OUTCOMES) for r in mine)
-            lines.append(f"| {mode} | {ranks} | {len(mine)} | {failed} |")
-    return "\n".join(lines)
-
-
-def _flag(value) -> bool:
-    """A CSV cell (or a fresh row's value) as a bool."""
-    return value is True or value == "True"
-
-
 def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=200, help="cases to run; each runs once per mode (default 200)")
     parser.add_argument("--first", type=int, default=0, help="index of the first case (default 0)")
@@ -241,7 +212,11 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-ranks", type=int, default=8, help="largest world drawn, 1-16 (default 8)")
     parser.add_argument("--limit-s", type=finite_float, default=240, help="wall-clock limit of one run (default 240)")
     parser.add_argument("--out", default="runs/soak", help="run directories and logs (default runs/soak)")
-    parser.add_argument("--results", default=str(BENCH_RESULTS), help="where the CSV and table go")
+    parser.add_argument(
+        "--results",
+        default="runs/soak",
+        help=f"where the CSV and table go (default runs/soak; the committed ones: {BENCH_RESULTS})",
+    )
     add_hostile_flags(parser)  # --hostile, --table
 
 
@@ -254,8 +229,11 @@ def check_soak_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"soak --seed {args.seed}: give a seed in 0..2**63-1")
     if not 1 <= args.max_ranks <= 16:
         raise ConfigError(f"soak --max-ranks {args.max_ranks}: worlds have 1 to 16 ranks (tp, cp <= 2, pp <= 4)")
-    if args.limit_s <= 0:
-        raise ConfigError(f"soak --limit-s {args.limit_s:g}: give a positive number of seconds")
+    if args.limit_s < MIN_LIMIT_S:
+        raise ConfigError(
+            f"soak --limit-s {args.limit_s:g}: a run takes a few seconds to start its ranks alone, so a shorter "
+            f"limit counts healthy runs as hangs; give at least {MIN_LIMIT_S}"
+        )
     check_writable_dir(args.out, "soak --out")
     check_writable_dir(args.results, "soak --results")
 
@@ -268,16 +246,13 @@ def cmd_soak(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
     csv_path = results / f"soak_seed{args.seed}_ranks{args.max_ranks}.csv"
-    rows = []
-    if csv_path.exists():
-        with open(csv_path, newline="") as f:
-            rows = list(csv.DictReader(f))
+    columns = [f.name for f in fields(Case)] + ["ranks", "mode", "elapsed_s", *OUTCOMES]
+    columns += ["first_divergence", "fault_fired", "paused", "chunks", "retractions", "error"]
+    rows = read_rows(csv_path, columns)
     have = {(int(r["case"]), r["mode"]) for r in rows}
     cases = [draw_case(args.seed, i, args.max_ranks) for i in range(args.first, args.first + args.runs)]
     jobs = [(c, m) for m in args.modes for c in cases if (c.case, m) not in have]  # mode by mode
     print(f"{len(jobs)} runs to go ({len(cases) * len(args.modes) - len(jobs)} already in {csv_path})")
-    columns = [f.name for f in fields(Case)] + ["ranks", "mode", "elapsed_s", *OUTCOMES]
-    columns += ["first_divergence", "fault_fired", "paused", "chunks", "retractions", "error"]
     with ThreadPoolExecutor(args.jobs) as pool, open(csv_path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         if not rows:
@@ -292,9 +267,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
             world = f"tp{row['tp']} cp{row['cp']} pp{row['pp']}"
             print(f"[{done}/{len(jobs)}] case {row['case']} {row['mode']:<6} {world} {','.join(flags) or 'ok'}")
     modes = [m for m in SYNC_MODES if any(r["mode"] == m for r in rows)]
-    table = summarize_rows(rows, modes)
     invocation = f"`python -m hicache_lab soak --seed {args.seed} --max-ranks {args.max_ranks} ...`"
-    csv_path.with_suffix(".md").write_text(f"# Soak: {len(rows)} runs\n\n{invocation}, cases appended\n\n{table}\n")
-    print(table)
+    print(write_table(csv_path.with_suffix(".md"), rows, modes, invocation))
     fixed = [r for r in rows if r["mode"] == "fixed"]
-    return 1 if any(_flag(r[k]) for r in fixed for k in OUTCOMES) else 0
+    return 1 if any(is_true(r[k]) for r in fixed for k in OUTCOMES) else 0

@@ -41,7 +41,7 @@ def evict_half_of_the_last_stage(storage_dir: Path, flags: str) -> None:
     run(_config(f"{flags} --hicache-storage-dir {storage_dir}"), storage_dir.parent / "fill", False, (FAULTS,))
     cfg = _config(flags)
     m, p = cfg.model, cfg.parallel
-    suffix = storage_suffix(m, 0, p.tp, stage_layers(m.num_layers, p.pp, p.pp - 1))
+    suffix = storage_suffix(m, 0, p.tp, range(m.num_heads // p.tp), stage_layers(m.num_layers, p.pp, p.pp - 1))
     for path in sorted(storage_dir.glob(f"*_{suffix}.bin"))[::2]:
         path.unlink()
 

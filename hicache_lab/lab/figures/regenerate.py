@@ -1,4 +1,5 @@
-"""`python -m hicache_lab figures`: regenerate every figure in figures/ from live runs (and the benchmark CSV).
+"""`python -m hicache_lab figures`: every figure of the README from live runs (and the benchmark CSV), into
+runs/figures; `--out figures` regenerates the committed ones.
 
 * pp_queue_divergence.png - acks each PP stage consumed, step by step, legacy vs fixed (PP=2)
 * hit_rate_by_round.png   - L1 only, L1 + L2 legacy, L1 + L2 fixed (PP=2), against the infinite-cache bound
@@ -9,7 +10,7 @@
                             -> different batches -> the crash (teach/chain.py)
 * sync_cost.png           - bench/results/agreement_cost.csv (from `python -m bench.agreement_cost`), if present
 
-`--quick` uses a small workload (seconds, for CI); the committed figures use the demo's.
+`--quick` uses a small workload (seconds, for CI), never into figures/; the committed figures use the demo's.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pandas as pd
 
 from ...config import RunConfig
 from ...entrypoints.launch import run
+from ...entrypoints.preflight import check_writable_dir
+from ...errors import ConfigError
 from ..presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
 from ..teach.tour import OneRank
 from .chain import chain_figure
@@ -32,6 +35,7 @@ from .sync_cost import plot_sync_cost
 from .trees import TREE_LEAF_WIDTH, TREE_LEVEL_HEIGHT, draw_tree, tree_drawing, tree_legend
 
 SYNC_COST_CSV = BENCH_RESULTS / "agreement_cost.csv"
+COMMITTED = Path("figures")  # the README's figures, from the repository's root
 FILES = (
     "pp_queue_divergence.png",
     "hit_rate_by_round.png",
@@ -140,13 +144,24 @@ def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "
 
 
 def add_figures_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="figures", help="where the figures go (default: figures)")
+    parser.add_argument(
+        "--out",
+        default="runs/figures",
+        help="where the figures go (default: runs/figures; the README's committed ones: --out figures)",
+    )
     parser.add_argument("--runs", default="runs/figures", help="where their runs go (default: runs/figures)")
     parser.add_argument("--quick", action="store_true", help="a small workload: seconds instead of minutes")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
 
 
 def cmd_figures(args: argparse.Namespace) -> int:
+    check_writable_dir(args.out, "figures --out")  # before a minute of runs, not after
+    check_writable_dir(args.runs, "figures --runs")
+    if args.quick and Path(args.out).resolve() == COMMITTED.resolve():
+        raise ConfigError(
+            f"figures --quick --out {args.out}: the README describes the full workload's figures; "
+            "give --quick another --out"
+        )
     for path in make_figures(Path(args.out), Path(args.runs), args.quick, args.device):
         print(f"wrote {path}")
     if not SYNC_COST_CSV.exists():

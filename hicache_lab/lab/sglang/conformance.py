@@ -15,6 +15,7 @@ what the difference led to.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,19 @@ def read_ops(path: Path) -> tuple[dict, list[dict]]:
     records = [record for _, record in read_jsonl(path, "conform")]
     if records[0].get("op") != "config":
         raise ConfigError(f"{path}: not a cache-operations file (no configuration line)")
-    return records[0], records[1:]
+    end, ops = records[-1], records[1:-1]
+    if end.get("op") != "end" or end.get("operations") != len(ops):
+        raise ConfigError(
+            f"{path}: the recording stops after {len(records) - 1} operations without its end line (its run was "
+            "killed, or the file was cut): conform compares only whole recordings; record the run again"
+        )
+    unknown = sorted(set(records[0]["cache"]) - {f.name for f in dataclasses.fields(CacheConfig)})
+    if unknown:
+        raise ConfigError(
+            f"{path}: recorded by another version of the lab (cache fields unknown here: {', '.join(unknown)}); "
+            "record the run again with this one"
+        )
+    return records[0], ops
 
 
 @dataclass
@@ -74,6 +87,7 @@ class Replay:
     sglang: list[RoundHits] = field(default_factory=list)
     differences: list[Difference] = field(default_factory=list)
     stopped: str | None = None  # why the replay could not go on (SGLang refused an operation the lab did)
+    fault: str = ""  # the --fault the run was recorded with: it, not the lab, explains the differences
 
     @property
     def equal(self) -> bool:
@@ -203,7 +217,7 @@ def replay(path: Path) -> Replay:
         )
     replayer = _Replayer(config)
     result = replayer.result
-    result.operations = len(ops)
+    result.operations, result.fault = len(ops), config.get("fault", "")
     result.lab.append(RoundHits())
     result.sglang.append(RoundHits())
     for index, record in enumerate(ops):
@@ -262,6 +276,9 @@ def cmd_conform(args) -> int:
         f"through sglang {SGLANG_VERSION}'s UnifiedRadixCache"
     )
     print(format_replay(result, prompt_tokens))
+    if result.fault:
+        print(f"the run was recorded with --fault {result.fault}: it changes the lab's answers on purpose, so any")
+        print("difference below is the fault's, not the lab's (conform compares runs without --fault)")
     if result.equal:
         print("every answer and every pool state after every operation equal")
         return 0
@@ -271,5 +288,6 @@ def cmd_conform(args) -> int:
     )
     for difference in result.differences[: args.show]:
         print(f"  {difference}")
-    print("known differences and why: docs/fidelity.md")
+    if not result.fault:
+        print("known differences and why: docs/fidelity.md")
     return 1

@@ -18,6 +18,7 @@ import torch
 
 from ...config import RunConfig
 from ...entrypoints.binders import Binder
+from ...entrypoints.outdir import open_run_file
 from ...mem_cache.base import BasePrefixCache
 
 OPS_FILE = "rank{rank}.cache_ops.jsonl"
@@ -29,7 +30,9 @@ class RecordingBinder(Binder):
     fields = ("record_cache_ops",)
 
     def wrap_cache(self, cfg: RunConfig, cache: BasePrefixCache, out_dir: Path, rank: int) -> BasePrefixCache:
-        return RecordingCache(cache, ops_path(out_dir, rank), rank) if cfg.record_cache_ops else cache
+        if not cfg.record_cache_ops:
+            return cache
+        return RecordingCache(cache, ops_path(out_dir, rank), rank, cfg.parallel.fault)
 
 
 def ops_path(out_dir: Path, rank: int) -> Path:
@@ -50,12 +53,14 @@ class RecordingCache:
     """The lab's cache, as the scheduler sees it, with every call of its contract written down. Anything else
     (hooks, observation, the step loop) reaches the cache itself through attribute lookup."""
 
-    def __init__(self, cache: BasePrefixCache, path: Path, rank: int):
+    def __init__(self, cache: BasePrefixCache, path: Path, rank: int, fault: str = ""):
         self._cache = cache
-        self._file = open(path, "w")  # noqa: SIM115 - closed by close(), with the cache
+        self._file = open_run_file(path)  # closed by close(), with the cache
         self._last_match = None
+        self.operations = 0
         host = cache.host_alloc.size if cache.cfg.enable_hierarchical_cache else 0
-        self._write({"op": "config", "cache": dataclasses.asdict(cache.cfg), "host_tokens": host, "rank": rank})
+        config = {"op": "config", "cache": dataclasses.asdict(cache.cfg), "host_tokens": host, "rank": rank}
+        self._write(config | {"fault": fault})  # a fault changes the lab's answers on purpose: conform says so
 
     def __getattr__(self, name: str):
         return getattr(self._cache, name)
@@ -65,6 +70,7 @@ class RecordingCache:
 
     def _record(self, op: str, args: dict, answer=None) -> None:
         self._write({"op": op, "args": args, "ans": answer, "state": _state(self._cache)})
+        self.operations += 1
 
     # -- the contract's operations --------------------------------------------------------------------
 
@@ -170,6 +176,8 @@ class RecordingCache:
         self._record("flush", {})
 
     def close(self) -> None:
+        """The recording's last line says how many operations it holds: a file cut short has none."""
+        self._write({"op": "end", "operations": self.operations})
         self._file.close()
         self._cache.close()
 

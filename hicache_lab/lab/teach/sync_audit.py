@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from ...entrypoints.outdir import open_run_file
 from .audit_call import AuditFinding, Call
 from .audit_patch import routed_to
 from .audit_slots import attn_groups_rules, pp_sync_rules, writing_check_before, writing_check_rules
@@ -41,9 +42,7 @@ class Audit:
         self.calls: dict[str, int] = {}
         self.file = None
         if out_dir is not None:
-            path = Path(out_dir) / f"sync_audit_rank{self.layout.rank}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = path.open("w")  # noqa: SIM115 - one line per call, closed with the process
+            self.file = open_run_file(Path(out_dir) / f"sync_audit_rank{self.layout.rank}.jsonl")  # closed at exit
 
     def stage(self, rank: int) -> int:
         return rank // (self.layout.tp * self.layout.cp)

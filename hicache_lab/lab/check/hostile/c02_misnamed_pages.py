@@ -18,8 +18,8 @@ def _rotate(files: list[Path]) -> None:
 def _other_shard(files: list[Path]) -> None:
     """TP rank 1's pages replaced by TP rank 0's pages of the same hash: the right page, the wrong shard."""
     for file in files:
-        if "_tp1of2_" in file.name:
-            file.write_bytes(file.with_name(file.name.replace("_tp1of2_", "_tp0of2_")).read_bytes())
+        if "_tp1of2_h2-4_" in file.name:  # the small world's 4 heads: rank 1 holds heads 2-4, rank 0 heads 0-2
+            file.write_bytes(file.with_name(file.name.replace("_tp1of2_h2-4_", "_tp0of2_h0-2_")).read_bytes())
 
 
 CASES = [

@@ -1,5 +1,5 @@
 """Class 5, orphan processes: the launcher, torchrun or the whole group signalled mid-run; every rank, and a
-`mooncake_master` the launcher started, must end with it."""
+`mooncake_master` the launcher started, must end with it; so must what a user's `--sync-impl` forked."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from ....mem_cache.hicache_storage import mooncake_missing
+from ....mem_cache.mooncake_store import mooncake_missing
 from ...presets import WORLD
-from .common import children, running, signalled
+from .common import SMALL, USER_CODE, WORLD2, children, running, signalled, user_code
 from .judge import Hostile, Outcome, run_cli
 
 
@@ -39,6 +39,19 @@ def _one_rank_interrupted(scratch: Path) -> Outcome:
 
     long = ("--max-total-tokens", "4096", "--num-clients", "8", "--num-rounds", "40")  # 17 s, unless interrupted
     return run_cli(scratch, "run", *WORLD.split(), *long, "--out", "out", during=during)
+
+
+FORKS_ON_STAGES = ("--sync-impl", "pp_sync=user_sync.py:forks")
+
+
+def _forked_in_the_launcher(scratch: Path) -> Outcome:
+    """A one-rank run (its rank is the launcher) whose writing_check forks a sleeping child, then a second run
+    on the same `out/`: the child must neither outlive the first run nor hold `out/` locked."""
+    first = user_code(*SMALL, "--sync-impl", "writing_check=user_sync.py:forks")(scratch)
+    if first.code != 0:
+        return first
+    again = run_cli(scratch, *SMALL, "--num-rounds", "2", "--out", "out")
+    return Outcome(again.code, first.output + again.output, first.leftover + again.leftover)
 
 
 CASES = [
@@ -87,5 +100,30 @@ CASES = [
         -9,
         "",
         needs=mooncake_missing,
+    ),
+    Hostile(
+        5,
+        "SIGHUP of the launcher mid-run (its terminal closed)",
+        signalled(launcher=signal.SIGHUP),
+        128 + signal.SIGHUP,
+        "interrupted by SIGHUP",
+    ),
+    Hostile(
+        5,
+        "a --sync-impl pp_sync that forks a sleeping child on each of two stages",
+        user_code(*WORLD2, *FORKS_ON_STAGES),
+        0,
+        "ended 2 process(es) the run left behind",
+        owns=USER_CODE,
+        exact=True,
+    ),
+    Hostile(
+        5,
+        "a one-rank run whose --sync-impl forks, then a run on its --out",
+        _forked_in_the_launcher,
+        0,
+        "ended 1 process(es) the run left behind",
+        owns=USER_CODE,
+        exact=True,
     ),
 ]

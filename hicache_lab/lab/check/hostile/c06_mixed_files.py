@@ -1,5 +1,6 @@
 """Class 6, lost or mixed files: `--out` naming the user's own directory, a second run on a directory in use,
-a run again beside the user's file, torchrun on a larger run's directory."""
+a run again beside the user's file, torchrun on a larger run's directory; links planted where a run writes,
+and a hard-linked backup of the store under `--fault damage-page`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from .common import SMALL, WORLD2, ranks, run_torchrun
+from .common import SMALL, STORE, WORLD2, R, ranks, run_torchrun
 from .judge import Hostile, Outcome, run_cli
 
 
@@ -55,6 +56,42 @@ def _torchrun_after_a_larger_run(scratch: Path) -> Outcome:
     summary = json.loads((scratch / "out" / "summary.json").read_text())
     if summary["diverged"] or set(summary["per_rank_hit_rates"]) != {"0", "1"}:
         return Outcome(None, f"{outcome.output}\nmerged another run's files: {summary['first_divergence']}")
+    return outcome
+
+
+def _linked_marker(scratch: Path) -> Outcome:
+    """A link as the run's marker in `out/`, pointing at the user's notes.txt (a shared /tmp lets anyone plant
+    one): refused, and notes.txt keeps its text (the judge checks it)."""
+    (scratch / "out").mkdir()
+    (scratch / "out" / ".hicache_lab_run").symlink_to(scratch / "notes.txt")
+    return run_cli(scratch, *SMALL, "--out", "out")
+
+
+AUDITED = ("--sync-impl", "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check")
+
+
+def _linked_run_files(scratch: Path) -> Outcome:
+    """An earlier run's `out/`, its summary.json and its audit file replaced by links to the user's notes.txt:
+    the next run writes its own files, never through the links."""
+    if (first := run_cli(scratch, *SMALL, *AUDITED, "--num-rounds", "2", "--out", "out")).code != 0:
+        return first
+    for name in ("summary.json", "sync_audit_rank0.jsonl"):
+        (scratch / "out" / name).unlink()
+        (scratch / "out" / name).symlink_to(scratch / "notes.txt")
+    return run_cli(scratch, *SMALL, *AUDITED, "--out", "out")
+
+
+def _hard_linked_backup(scratch: Path) -> Outcome:
+    """A store filled, backed up as hard links (`cp -al`), then read under `--fault damage-page`: the fault
+    damages the store's page, never the backup's."""
+    run_cli(scratch, *R, "--out", "first")
+    (scratch / "backup").mkdir()
+    for page in (scratch / "store").glob("*.bin"):
+        os.link(page, scratch / "backup" / page.name)
+    backup = {p: p.read_bytes() for p in (scratch / "backup").iterdir()}
+    outcome = run_cli(scratch, *R, "--fault", "damage-page:0@3", "--check-outputs", "--out", "out")
+    if changed := [p.name for p, data in backup.items() if p.read_bytes() != data]:
+        return Outcome(None, f"{outcome.output}\nthe backup's copy of {changed} damaged too", outcome.leftover)
     return outcome
 
 
@@ -105,6 +142,30 @@ CASES = [
         _torchrun_after_a_larger_run,
         0,
         "outputs_match_reference: True",
+        exact=True,
+    ),
+    Hostile(
+        6,
+        "a link as the marker of --out, pointing at the user's notes.txt",
+        _linked_marker,
+        2,
+        "--out out: .hicache_lab_run is not a regular file",
+    ),
+    Hostile(
+        6,
+        "an earlier run's summary.json and audit file turned into links to the user's notes.txt",
+        _linked_run_files,
+        0,
+        "outputs_match_reference: True",
+        exact=True,
+    ),
+    Hostile(
+        6,
+        "--fault damage-page on a store whose pages are hard-linked into a backup",
+        _hard_linked_backup,
+        0,
+        "--fault damage-page: page",
+        owns=(*STORE, "backup"),
         exact=True,
     ),
 ]

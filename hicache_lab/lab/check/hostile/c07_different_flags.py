@@ -1,12 +1,15 @@
 """Class 7, ranks started with different flags: a world started by hand, as torchrun would, each rank with
-flags of its own; every flag that differs is named, with each rank's value."""
+flags of its own; every flag that differs is named, with each rank's value. And processes that join another
+world: a second RANK=0 on a port a world holds, a rank of another world on that world's MASTER_PORT."""
 
 from __future__ import annotations
 
+import socket
 import threading
+import time
 from pathlib import Path
 
-from ....entrypoints.launch import free_ports
+from ....entrypoints.mooncake_master import free_ports
 from ...presets import WORLD
 from .judge import Hostile, Outcome, run_cli
 
@@ -40,6 +43,47 @@ def _by_hand(*per_rank: tuple[str, ...]):
     return run
 
 
+def _intruders(scratch: Path) -> Outcome:
+    """A world of two started by hand, and while it runs, another world's rank 0 and rank 1 on its MASTER_PORT:
+    each intruder is refused, naming the port or the rank; the world ends exact."""
+    (port,) = free_ports(1)
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    world: dict[int, Outcome] = {}
+    long = (
+        *TWO_STAGES,
+        "--num-rounds",
+        "40",
+        "--max-total-tokens",
+        "4096",
+        "--out",
+        "out",
+    )  # the intruders start meanwhile
+    threads = [
+        threading.Thread(target=lambda r=r: world.update({r: run_cli(scratch, *long, env=env | {"RANK": str(r)})}))
+        for r in (0, 1)
+    ]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)  # both ranks joined
+    intruders: list[Outcome] = [Outcome(None, ""), Outcome(None, "")]
+
+    def intrude(r: int) -> None:
+        intruders[r] = run_cli(scratch, *TWO_STAGES, "--out", f"other{r}", env=env | {"RANK": str(r)})
+
+    for thread in (more := [threading.Thread(target=intrude, args=(r,)) for r in (0, 1)]):
+        thread.start()
+    for thread in threads + more:
+        thread.join()
+    outcomes = [world[0], world[1], *intruders]
+    output = "".join(f"--- exit code {o.code}:\n{o.output}" for o in outcomes)
+    refused = [o.code for o in intruders] == [2, 2] and {world[0].code, world[1].code} == {0}
+    refused &= f"MASTER_PORT {port} is taken" in intruders[0].output
+    return Outcome(2 if refused else None, output, [p for o in outcomes for p in o.leftover])
+
+
 CASES = [
     Hostile(
         7,
@@ -71,5 +115,14 @@ CASES = [
         2,
         "--out (out: ",
         owns=("out", "elsewhere"),
+    ),
+    Hostile(
+        7,
+        "another world's RANK=0 and RANK=1 started on the MASTER_PORT of a world running",
+        _intruders,
+        2,
+        "RANK=1 has joined the world at 127.0.0.1:",
+        owns=("out", "other0", "other1"),
+        exact=True,
     ),
 ]

@@ -1,14 +1,46 @@
 """Class 8, failures that exit 0: user code that calls sys.exit(0), and faults that never fire; each must make
-the run fail, naming it."""
+the run fail, naming it. And `conform` on a recording it cannot vouch for: cut short, from another version of
+the lab, or made under a fault (its differences are the fault's)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ...presets import WORKLOAD, WORLD
+from ...sglang.cpu import SGLANG_VERSION, sglang_version
 from .common import ONE_RANK, USER_CODE, cli, user_code
-from .judge import Hostile
+from .judge import Hostile, Outcome, run_cli
 
 NEVER_FIRES = ["run", *WORLD.split(), "--num-rounds", "3"]
 L1_ONLY = ["run", *WORKLOAD.split(), "--num-rounds", "3", "--check-outputs"]  # no host tier: no host writes
+
+RECORDED = ["run", *WORKLOAD.split(), "--enable-hierarchical-cache", "--num-rounds", "3", "--record-cache-ops"]
+
+
+def _recorded(change, *flags: str):
+    """A case that records a run's cache operations into `out/`, changes its rank 0 file (`change(lines)` returns
+    the new lines), then runs `conform out`."""
+
+    def run(scratch: Path) -> Outcome:
+        if (first := run_cli(scratch, *RECORDED, *flags, "--out", "out")).code not in (0, 1):
+            return first
+        path = scratch / "out" / "rank0.cache_ops.jsonl"
+        path.write_text("".join(change(path.read_text().splitlines(keepends=True))))
+        return run_cli(scratch, "conform", "out")
+
+    return run
+
+
+def _newer_config(lines: list[str]) -> list[str]:
+    config = json.loads(lines[0])
+    config["cache"]["eviction_policy"] = "lru"  # a field a newer lab (or a newer SGLang) might add
+    return [json.dumps(config) + "\n", *lines[1:]]
+
+
+def _sglang_missing() -> str | None:
+    return None if sglang_version() == SGLANG_VERSION else f"conform replays through sglang {SGLANG_VERSION}"
+
 
 CASES = [
     Hostile(
@@ -62,5 +94,27 @@ CASES = [
         cli(*NEVER_FIRES, "--max-total-tokens", "4096", "--skip-load-wait"),
         1,
         "--skip-load-wait never fired: rank 0 ran no batches that read loaded KV",
+    ),
+    Hostile(
+        8,
+        "`conform` on a recording whose last 40 operations were cut off",
+        _recorded(lambda lines: lines[:-40]),
+        2,
+        "without its end line (its run was killed, or the file was cut)",
+    ),
+    Hostile(
+        8,
+        "`conform` on a recording whose configuration has a cache field this lab does not know",
+        _recorded(_newer_config),
+        2,
+        "recorded by another version of the lab (cache fields unknown here: eviction_policy)",
+    ),
+    Hostile(
+        8,
+        "`conform` on a run recorded with `--fault alloc-fail:0@5`",
+        _recorded(lambda lines: lines, "--fault", "alloc-fail:0@5"),
+        1,
+        "the run was recorded with --fault alloc-fail:0@5",
+        needs=_sglang_missing,
     ),
 ]

@@ -68,6 +68,18 @@ FAST = [  # (what the adversary does, `python -m hicache_lab` ARGS, what the lab
     ("`--tp 3` (the README's table)", "run --tp 3 --out out", "--num-heads 4 must be divisible by --tp 3"),
     ("`--out afile`, a regular file (the README's table)", "run --out afile",
      "--out afile is a file: give a directory", {"files": {"afile": ""}}),
+    ("`--enable-fix pp_relay --disable-fix pp_relay`",
+     "run --pp 2 --enable-fix pp_relay --disable-fix pp_relay --out out",
+     "--enable-fix and --disable-fix pp_relay: both at once"),
+    ("`--flush-cache-between-rounds --no-round-barrier` (no barrier to flush at)",
+     "run --enable-hierarchical-cache --flush-cache-between-rounds --no-round-barrier --out out",
+     "--flush-cache-between-rounds flushes at the barrier between rounds: drop --no-round-barrier"),
+    ("`--chunked-prefill-size 3 --page-size 4`: a chunk shorter than a page", "run --page-size 4 "
+     "--chunked-prefill-size 3 --out out", "--chunked-prefill-size 3 is smaller than a page (--page-size 4)"),
+    ("`--out` whose name is 300 characters, past the file system's limit", f"run --out {'o' * 300}",
+     "File name too long: give a shorter path"),
+    ("`demo --num-rounds 1`: no round after the first to compare", "demo --num-rounds 1 --out out",
+     "demo --num-rounds 1: the demo compares rounds after the first; give at least 2"),
 ]
 SLOW = [  # only in soak --hostile: the rest of the README's table and more of each kind
     ("`--prefetch-timeout-base=-inf`", "run --prefetch-timeout-base=-inf --out out",

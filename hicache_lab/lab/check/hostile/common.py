@@ -88,6 +88,7 @@ def cli(*args: str) -> Callable[[Path], Outcome]:
 
 USER_SYNC = '''\
 """A user's --sync-impl functions that misbehave (hostile/common.py writes this file beside the run)."""
+import os
 import socket
 import sys
 import time
@@ -114,6 +115,17 @@ def leave(self, *args):
 def leave_on_stage_1(self, data):
     if self.pp_rank == 1:
         sys.exit(0)
+
+
+def forks(self, *args):
+    """The lab's own function, but its first call forks a child that sleeps (and holds what its parent held)."""
+    if not getattr(self, "forked", False):
+        self.forked = True
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+    name = "_pp_sync" if hasattr(type(self), "_pp_sync") else "writing_check"
+    return getattr(type(self), name)(self, *args)
 '''
 USER_CODE = ("out", "user_sync.py", "user_sync_top.py")  # what a user-code case owns: its run and the modules
 
