@@ -212,12 +212,17 @@ class StoragePrefetch:
     def take_prefetch_acks(self, count: int) -> list[PrefetchOp]:
         """Consume the agreed `count` batch acks in order: each sets its prefetch's `pages`; a prefetch whose
         last one is consumed leaves the FIFO and, where its request still waits for it, ends (returned, for the
-        cache to insert its pages)."""
+        cache to insert its pages). On a later stage the count is PP rank 0's: this rank's read thread may
+        still be appending the agreement of a batch every rank has entered, so it is waited for."""
         done = []
         while count:
             op = self.reading[0]
             taken = min(count, len(op.batches()) - op.drained)
             op.drained, count = op.drained + taken, count - taken
+            with op.progress:
+                while len(op.agreed) < op.drained:
+                    self._check_worker()
+                    op.progress.wait(0.05)
             op.pages = op.agreed[op.drained - 1]
             if op.drained == len(op.batches()):
                 self.reading.pop(0)

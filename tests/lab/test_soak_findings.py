@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+
 from hicache_lab.entrypoints.launch import run
 
 
@@ -23,3 +27,17 @@ def test_a_head_waiting_for_room_held_by_prefetch_anchors_behind_it_does_not_liv
     cfg.workload.num_rounds, cfg.workload.seed = 3, 287852352
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"] is True
+
+
+@pytest.mark.spawns
+def test_a_later_stage_waits_for_its_own_agreement_of_a_prefetch_batch(world_config, tmp_path):
+    """Soak case 423 (seed 1, issue 30's draw): three stages, a file store flushed between rounds. Stage 0
+    relayed a prefetch batch's ack that stage 1's read thread had agreed with it but not yet recorded: stage 1
+    read past the end of its agreements (IndexError). It now waits for its thread, which has entered that
+    collective already."""
+    cfg = world_config(pp=3)
+    cache = {"storage_backend": "file", "prefetch_policy": "timeout", "prefetch_threshold": 16}
+    cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, flush_between_rounds=True, **cache))
+    cfg.model.num_layers, cfg.workload.num_rounds, cfg.workload.seed = 4, 3, 174809984
+    summary = run(cfg, tmp_path, verbose=False)
+    assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"], summary["error"]
