@@ -27,6 +27,7 @@ did. A run is counted as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -43,6 +44,7 @@ import numpy as np
 
 from ...config import PREFETCH_POLICIES, WRITE_POLICIES
 from ...entrypoints.args import finite_float
+from ...entrypoints.ending import Interrupted
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 from ...parallel_config import PROPOSALS, SYNC_MODES
@@ -51,6 +53,7 @@ from .hostile.command import add_hostile_flags, cmd_hostile
 from .hostile.common import forked_ranks
 from .soak_results import OUTCOMES, is_true, read_rows, write_table
 
+LIVE: set[subprocess.Popen] = set()  # the runs in flight: a soak that is stopped kills their process groups
 MIN_LIMIT_S = 20  # seconds: below it, runs whose ranks are still starting would be counted as hangs
 
 
@@ -139,6 +142,23 @@ def draw_case(seed: int, index: int, max_ranks: int) -> Case:
     return case
 
 
+def _collect(futures: list, writer: csv.DictWriter, f) -> list[dict]:
+    """Each run's row as it ends, appended to the CSV at once (a soak cut short keeps what it ran)."""
+    rows = []
+    for done, future in enumerate(futures, 1):
+        rows.append(row := future.result())
+        writer.writerow(row)
+        f.flush()
+        flags = [k for k in OUTCOMES if row[k]]
+        world = f"tp{row['tp']} cp{row['cp']} pp{row['pp']}"
+        print(f"[{done}/{len(futures)}] case {row['case']} {row['mode']:<6} {world} {','.join(flags) or 'ok'}")
+    return rows
+
+
+def _interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
 def rank_pids(launcher: int, ranks: int) -> list[int]:
     """The rank processes of a launcher, in rank order (forked in order by its fork server; one rank runs in the
     launcher)."""
@@ -171,6 +191,7 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
     started, paused = time.monotonic(), ""
     with open(out_dir / f"case{case.case:04d}_{mode}.log", "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        LIVE.add(proc)
         done = threading.Event()
         with ThreadPoolExecutor(1) as pauser:
             pausing = pauser.submit(_pause, proc, case, done) if case.pause else None
@@ -182,6 +203,7 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
                 proc.wait()
                 hung = True
             done.set()
+            LIVE.discard(proc)
             paused = pausing.result() if pausing else ""
     row = {**asdict(case), "ranks": case.ranks, "mode": mode, "elapsed_s": round(time.monotonic() - started, 1)}
     summary_path = run_dir / "summary.json"
@@ -258,15 +280,19 @@ def cmd_soak(args: argparse.Namespace) -> int:
         if not rows:
             writer.writeheader()
         futures = [pool.submit(run_case, case, mode, out_dir, args.limit_s) for case, mode in jobs]
-        for done, future in enumerate(futures, 1):
-            row = future.result()
-            rows.append(row)
-            writer.writerow(row)
-            f.flush()
-            flags = [k for k in OUTCOMES if row[k]]
-            world = f"tp{row['tp']} cp{row['cp']} pp{row['pp']}"
-            print(f"[{done}/{len(jobs)}] case {row['case']} {row['mode']:<6} {world} {','.join(flags) or 'ok'}")
+        stop = signal.signal(signal.SIGTERM, _interrupted)  # as Ctrl-C: the runs in flight end with the soak
+        try:
+            rows += _collect(futures, writer, f)
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc in list(LIVE):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            raise
+        finally:
+            signal.signal(signal.SIGTERM, stop)
     modes = [m for m in SYNC_MODES if any(r["mode"] == m for r in rows)]
+
     invocation = f"`python -m hicache_lab soak --seed {args.seed} --max-ranks {args.max_ranks} ...`"
     print(write_table(csv_path.with_suffix(".md"), rows, modes, invocation))
     fixed = [r for r in rows if r["mode"] == "fixed"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from ....mem_cache.mooncake_store import mooncake_missing
 from ...presets import WORLD
 from .common import SMALL, USER_CODE, WORLD2, children, running, signalled, user_code
-from .judge import Hostile, Outcome, run_cli
+from .judge import Hostile, Outcome, processes, run_cli
 
 
 def _master_killed(scratch: Path) -> Outcome:
@@ -39,6 +39,31 @@ def _one_rank_interrupted(scratch: Path) -> Outcome:
 
     long = ("--max-total-tokens", "4096", "--num-clients", "8", "--num-rounds", "40")  # 17 s, unless interrupted
     return run_cli(scratch, "run", *WORLD.split(), *long, "--out", "out", during=during)
+
+
+def _soak_stopped(scratch: Path) -> Outcome:
+    """SIGTERM to a soak once its runs are going: each run is a process group of its own (the soak kills it
+    whole past its limit), so the soak must end them itself, not leave them running."""
+
+    def during(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and not children(proc.pid, "hicache_lab run") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+
+    soak = ("soak", "--seed", "5", "--max-ranks", "2", "--runs", "4", "--modes", "fixed", "--jobs", "2")
+    outcome = run_cli(scratch, *soak, "--out", "out", "--results", "out", during=during)
+    time.sleep(1)
+    left = [f"pid {p}: {c}" for p, c in processes(lambda f: True).items() if _cwd(p) == scratch.resolve()]
+    return Outcome(outcome.code, outcome.output, outcome.leftover + left)
+
+
+def _cwd(pid: int) -> Path | None:
+    try:
+        return Path(os.readlink(f"/proc/{pid}/cwd"))
+    except OSError:
+        return None
 
 
 FORKS_ON_STAGES = ("--sync-impl", "pp_sync=user_sync.py:forks")
@@ -125,5 +150,12 @@ CASES = [
         "ended 1 process(es) the run left behind",
         owns=USER_CODE,
         exact=True,
+    ),
+    Hostile(
+        5,
+        "SIGTERM of a soak while its runs go (each in a session of its own)",
+        _soak_stopped,
+        128 + signal.SIGTERM,
+        "interrupted by SIGTERM",
     ),
 ]
