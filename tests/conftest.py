@@ -12,9 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hicache_lab.config import RunConfig
+from hicache_lab.config import CacheConfig, RunConfig
+from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.lab.presets import WORKLOAD, WORLD, config
+from hicache_lab.mem_cache.build import KVShape, build_cache
+from hicache_lab.mem_cache.hicache_storage import FileStorage
 from hicache_lab.parallel_config import ParallelConfig
 
 torch.set_num_threads(1)  # as a rank does: tiny tensors, shared cores
@@ -56,6 +59,19 @@ def groups():
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def file_cache(groups, tmp_path):
+    """Factory: one rank's cache with the host tier over a file store in `tmp_path` (1 layer, 1 head of 2
+    dims, fixed sync), CacheConfig fields on top."""
+
+    def make(**fields):
+        cfg = CacheConfig(enable_hierarchical_cache=True, storage_backend="file", **fields)
+        sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+        return build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))[1]
+
+    return make
 
 
 class ProcessGuard:

@@ -157,23 +157,19 @@ def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
     cache.close()
 
 
-def test_a_write_back_that_finds_the_host_full_keeps_a_subtree_storage_still_reads(groups, tmp_path):
+def test_a_write_back_that_finds_the_host_full_keeps_a_subtree_storage_still_reads(file_cache):
     """write_back, a file L3, a host held full by copies whose L3 backups are still being written: evicting the
     device leaf above one of them finds no host room for its own copy. SGLang's `drop_subtree_no_host`
     declines to drop a subtree that holds a host lock (the node stays on the device); dropping it would free host
     slots the backup is still reading, and a later host write would put other bytes under the backup's key
     (review N4)."""
-    cfg = CacheConfig(
+    cache = file_cache(
         max_total_tokens=64,
         hicache_ratio=1.5,  # 96 host tokens: six 16-token copies
-        enable_hierarchical_cache=True,
         write_policy="write_back",
-        storage_backend="file",
         prefetch_threshold=4,
         max_copy_delay_steps=3,
     )
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
-    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))
     head, tail = tuple(range(16)), tuple(range(100, 116))
     held = cache.alloc_device(16)
     cache.insert(head, held)
@@ -193,20 +189,16 @@ def test_a_write_back_that_finds_the_host_full_keeps_a_subtree_storage_still_rea
     cache.close()
 
 
-def test_a_finished_prefetch_ends_at_its_last_ack_before_admission(groups, tmp_path):
+def test_a_finished_prefetch_ends_at_its_last_ack_before_admission(file_cache):
     """SGLang 0.5.23's `_drain_ack_prefetch`: the read thread's per-batch agreements are acks that the step's
     check drains by an agreed count; the last one ends the prefetch there (pages inserted, rate-limit share and
     anchor released), so the request, admitted later, finds it done without a vote."""
-    cfg = CacheConfig(
+    cache = file_cache(
         max_total_tokens=64,
-        enable_hierarchical_cache=True,
-        storage_backend="file",
         prefetch_policy="wait_complete",
         prefetch_threshold=4,
         max_copy_delay_steps=0,
     )
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
-    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))
     prompt = tuple(range(16))
     cache.insert(prompt, cache.alloc_device(16))
     cache.flush()  # the host copy went to storage; device and host are empty now

@@ -8,15 +8,10 @@ import dataclasses
 
 import pytest
 
-from hicache_lab.config import CacheConfig
-from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.managers.schedule_batch import Req
 from hicache_lab.managers.scheduler import Scheduler
 from hicache_lab.managers.step_trace import read_trace
-from hicache_lab.mem_cache.build import KVShape, build_cache
-from hicache_lab.mem_cache.hicache_storage import FileStorage
-from hicache_lab.parallel_config import ParallelConfig
 
 PRESSURE = {
     "ignore_eos": False,  # admitted on the estimate of what they answer: decode memory runs out (retractions)
@@ -78,20 +73,16 @@ def step(s: Scheduler, iteration: int):
     return batch
 
 
-def test_a_request_whose_prefetch_is_not_ready_is_passed_over(groups, tmp_path):
+def test_a_request_whose_prefetch_is_not_ready_is_passed_over(file_cache):
     """wait_complete, a slow storage read: the request behind the prefetching one is admitted first (SGLang's
     `_get_new_batch_prefill_raw` continues past it); the prefetching one follows once its pages are in."""
-    cfg = CacheConfig(
+    cache = file_cache(
         max_total_tokens=128,
-        enable_hierarchical_cache=True,
-        storage_backend="file",
         prefetch_policy="wait_complete",
         prefetch_threshold=8,
         max_copy_delay_steps=0,
         flush_between_rounds=True,
     )
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
-    _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))
     s = Scheduler(cache, max_running=4)
     history = Req(0, 0, 0, list(range(40)), max_new_tokens=2)
     s.add([history])
