@@ -82,6 +82,7 @@ class Adopted:
         return self
 
     def __exit__(self, *exc) -> None:
+        _prctl(PR_SET_CHILD_SUBREAPER, 0)  # orphans after the run are not this process's (a notebook's kernel)
         for pid, command in children().items():
             if pid not in self.before and pid not in self.keep():
                 with contextlib.suppress(ProcessLookupError):
