@@ -3,13 +3,16 @@ runs, deletes only the lab's own files there, and its summary merges only result
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
-from hicache_lab.entrypoints.outdir import MARKER, Claim
+from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.outdir import LAB_FILES, MARKER, Claim
 from hicache_lab.entrypoints.report import WorldEnd, read_results
 from hicache_lab.errors import ConfigError
+from hicache_lab.lab.binders import LAB
 from hicache_lab.managers.step_trace import read_trace
 
 
@@ -49,3 +52,15 @@ def test_a_summary_reads_only_this_runs_results(tmp_path):
 def test_a_trace_cut_short_keeps_its_whole_lines(tmp_path):
     (tmp_path / "trace_rank0.jsonl").write_text('{"rank": 0, "step": 0}\n{"rank": 0, "st')
     assert read_trace(tmp_path) == [{"rank": 0, "step": 0}]
+
+
+def test_the_cleanup_knows_every_file_a_run_writes(small_config, tmp_path):
+    """What a run with every writer of its own turned on leaves in --out: each name is one the start-of-run
+    cleanup deletes (LAB_FILES), so a link planted under it is removed rather than written through."""
+    cfg = dataclasses.replace(small_config(enable_hierarchical_cache=True), record_cache_ops=True)
+    audited = "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check"
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(audited,)))
+    assert run(cfg, tmp_path, verbose=False, binders=LAB)["completed"]
+    written = {p.name for p in tmp_path.iterdir() if p.is_file() and p.name != MARKER}
+    assert {"summary.json", "sync_audit_rank0.jsonl", "rank0.cache_ops.jsonl"} <= written
+    assert [name for name in written if not LAB_FILES.fullmatch(name)] == []
