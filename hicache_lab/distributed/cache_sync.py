@@ -89,7 +89,6 @@ class CacheSync:
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
         self.relay_stages = self.pp_size if "multi_hop_relay" in fixes else min(self.pp_size, 2)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained at every step's check
-        self.relay_sends_issued = 0  # every relay send so far (the step log shows each step's share)
         self.prefetch_sync_groups: list = []  # used by the prefetch worker only
         self.prefetch_progress_groups: list = []  # used by the scheduler only
         self.prefetch_completion_groups: list = []  # used by the read thread only
@@ -125,7 +124,6 @@ class CacheSync:
             dist.recv(data, group_src=self.pp_rank - 1, group=group, tag=2)
         if self.pp_rank + 1 < self.relay_stages:
             self.work_list.append(dist.isend(data.clone(), group_dst=self.pp_rank + 1, group=group, tag=2))
-            self.relay_sends_issued += 1
 
     def _all_reduce(self, data: torch.Tensor, op) -> None:
         """Agreement on PP rank 0 over its attention groups, then relayed down the pipeline."""

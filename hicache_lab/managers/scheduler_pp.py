@@ -86,7 +86,7 @@ class StageLoop:
         self.iteration = 0
         self.records: list[StepRecord] = []
         self.reqs: list[Req] = []  # every request this stage saw, in arrival order
-        self._relay_mark = 0  # relay sends issued before this step
+        self._held: list[dist.Work] = []  # the relay send handles held at the last step's record
 
     # -- point to point ----------------------------------------------------------------------------
 
@@ -220,6 +220,13 @@ class StageLoop:
 
     # -- observation -------------------------------------------------------------------------------
 
+    def _new_relay_sends(self) -> list[dist.Work]:
+        """The relay send handles this step added, whoever issued them (the lab's `_pp_sync`, a user's
+        `--sync-impl`, SGLang's own): those held now that were not at the last record (kept referenced, so
+        their ids are not reused)."""
+        before = {id(work) for work in self._held}
+        return [work for work in self.sync.work_list if id(work) not in before]
+
     def _record(self, iteration: int, batch: Batch, start: float) -> StepRecord:
         prefill = batch.reqs if batch.kind == "prefill" else []
         extend = batch.forward.extend_lens if prefill else []
@@ -233,12 +240,12 @@ class StageLoop:
             acks_write=batch.acks[0],
             acks_load=batch.acks[1],
             relay_sends=len(self.sync.work_list),
-            relay_sent=self.sync.relay_sends_issued - self._relay_mark,
+            relay_sent=len(self._new_relay_sends()),
             prefix_lens=[r.kv_len - n for r, n in zip(prefill, extend, strict=True)],
             extend_lens=list(extend),
             **self.scheduler.cache.observe(),
         )
-        self._relay_mark = self.sync.relay_sends_issued
+        self._held = list(self.sync.work_list)
         self.records.append(record)
         if self.trace is not None:
             self.trace.write(record)

@@ -16,6 +16,7 @@ import pytest
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import run
 from hicache_lab.lab.teach.sync_impl import SyncImplError, call_bounded, resolve
+from hicache_lab.managers.step_trace import read_trace
 from hicache_lab.parallel_config import ParallelConfig
 
 RELAYS = textwrap.dedent(
@@ -134,3 +135,17 @@ def test_call_bounded_returns_the_value_or_names_what_did_not_return():
     with pytest.raises(SyncImplError, match=r"sleeping did not return within 0.2 s \(a test\)"):
         call_bounded("sleeping", 0.2, "a test", time.sleep, 30)
     assert time.monotonic() - started < 5, "the caller does not wait for the stuck call"
+
+
+@pytest.mark.spawns
+def test_a_right_relay_of_your_own_is_counted_as_the_labs_is(world_config, tmp_path):
+    """The step trace counts the relay's sends in `work_list` itself, whoever issued them: a correct relay
+    of the student's sends one a step, none left from an earlier step (the lab's own counter saw none of
+    them, and called the one held 'from earlier steps')."""
+    (tmp_path / "lab_relays.py").write_text(RELAYS)
+    cfg = world_config(pp=2, sync_impls=(f"pp_sync={tmp_path / 'lab_relays.py'}:relay",))
+    cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, num_rounds=3))
+    summary = run(cfg, tmp_path / "out", verbose=False)
+    assert summary["completed"] and not summary["diverged"], summary["error"]
+    assert summary["scheduling"]["max_older_relay_sends"] == 0
+    assert {row["relay_sent"] for row in read_trace(tmp_path / "out") if row["rank"] == 0} == {1}

@@ -99,18 +99,9 @@ class SGLangCacheBinder(Binder):
 
 
 def observe_relay(sync: CacheSync, sglang) -> None:
-    """The step trace counts relay sends through the lab's `CacheSync` (StageLoop reads `work_list` and
-    `relay_sends_issued`): point them at SGLang's own. Its `work_list` becomes the same list (SGLang drains it in
-    place), and each of its `_pp_sync` calls adds the sends it issued. Observation only: nothing is decided here."""
+    """The step trace counts relay sends in the lab's `CacheSync.work_list` (StageLoop): point it at SGLang's
+    own, the same list (SGLang drains it in place). Observation only: nothing is decided here."""
     sync.work_list = sglang.work_list
-    relay = sglang._pp_sync
-
-    def counted(data):
-        before = len(sglang.work_list)
-        relay(data)
-        sync.relay_sends_issued += len(sglang.work_list) - before
-
-    sglang._pp_sync = counted
 
 
 SGLANG_CACHE = SGLangCacheBinder()
