@@ -78,7 +78,14 @@ def _draw_acks(top, bottom, rows: list[dict]) -> set[int]:
     return ranks
 
 
-def _mark_outcome(top, bottom, title: str, summary: dict) -> None:
+def _write_gap(rows: list[dict], summary: dict) -> int:
+    """The failing rank's write acks minus rank 0's, cumulative, at its crash step."""
+    totals = _cumulative(rows, "acks_write")
+    series, base, step = totals.get(summary["failing_rank"], []), totals.get(0, []), summary["crash_step"]
+    return series[min(step, len(series) - 1)] - base[min(step, len(base) - 1)] if series and base else 0
+
+
+def _mark_outcome(top, bottom, title: str, summary: dict, rows: list[dict]) -> None:
     """The first divergence (a red line and its step), the crash (a red X) and the run's outcome in the title."""
     first = summary["first_divergence"]
     if first:
@@ -93,8 +100,8 @@ def _mark_outcome(top, bottom, title: str, summary: dict) -> None:
             color=OTHER_COLORS[1],
             fontsize=8,
         )
-    if summary["crash_step"] is not None:
-        bottom.plot([summary["crash_step"]], [0], "X", color=OTHER_COLORS[1], ms=9, label="crash")
+    if summary["crash_step"] is not None:  # on the failing rank's write-ack line (rank 0's gap is 0 by definition)
+        bottom.plot([summary["crash_step"]], [_write_gap(rows, summary)], "X", color=OTHER_COLORS[1], ms=9)
     status = crash_label(summary) if summary["crashed"] else "completed; all ranks agree"
     top.set_title(f"{title}\n{status}", fontsize=9)
     bottom.set_xlabel("scheduler step (iteration)")
@@ -138,7 +145,7 @@ def plot_queue_divergence(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
         top, bottom = axes[0][col], axes[1][col]
         _shade_differing_trees((top, bottom), rows)
         ranks_seen |= _draw_acks(top, bottom, rows)
-        _mark_outcome(top, bottom, title, _with_crash_step(summary, rows))
+        _mark_outcome(top, bottom, title, _with_crash_step(summary, rows), rows)
     axes[0][0].set_ylabel("acks consumed (cumulative)")
     axes[1][0].set_ylabel("rank's count − rank 0's")
     _ack_legend(fig, ranks_seen)
