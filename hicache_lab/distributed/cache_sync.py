@@ -149,6 +149,13 @@ class CacheSync:
         self.work_list = []
         self._barrier_attn_groups()
 
+    def leave_flush_together(self) -> None:
+        """After a flush that finished every backup: CP peers, who may share one copy of each page (one writer per
+        CP group), leave it together, so that no peer looks for a page before its writer has stored it. The lab's
+        flush between rounds is its own (SGLang flushes an idle server); this is not an agreement of SGLang's."""
+        if group_rank_and_size(self.groups.attn_cp_group)[1] > 1:
+            dist.barrier(group=self.groups.attn_cp_group)
+
     def _create_prefetch_sync_groups(self) -> None:
         """The storage path's own gloo groups (`prefetch_group_rank_sets`; without the CP fix: attention-TP
         alone), one set per thread that agrees (SGLang's PP + L3 fix): the prefetch worker's hit counts, the

@@ -235,8 +235,10 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         self.flush_pending_backups()
         self._consume_writes(len(self.controller.ack_write_queue))
         self.loading_check(len(self.controller.ack_load_queue))
-        for node in self.storage.finish_all() if self.storage is not None else ():
-            self.tree.release_host(node)
+        if self.storage is not None:
+            for node in self.storage.finish_all():
+                self.tree.release_host(node)
+            self.sync.leave_flush_together()
         super().flush()
 
     def _free_node(self, node: TreeNode) -> None:
