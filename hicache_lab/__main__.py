@@ -1,5 +1,5 @@
 """Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
-`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`)."""
+`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`, `student-edition`)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
 from .lab.sglang.source import read_bench_multiturn
+from .lab.teach.edition import add_edition_flags, cmd_edition
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -184,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_exercise_flags(exercise_parser)
     exercise_parser.set_defaults(func=cmd_exercise)
+    edition_parser = commands.add_parser(
+        "student-edition",
+        help="copy the repository without teaching/ (the answers) for students",
+        description=cmd_edition.__doc__ or "the repository at HEAD, without teaching/, for a graded session",
+    )
+    add_edition_flags(edition_parser)
+    edition_parser.set_defaults(func=cmd_edition)
     args = parser.parse_args(argv)
     try:
         if getattr(args, "out", None) is not None and not args.out.strip():

@@ -62,12 +62,15 @@ class Call:
         self.receives = 0  # receives of any kind, object lists included
         self.findings: list[dict] = []
         self.facts: dict = {}  # what the slot's rules looked at, for the log line
+        self._inside = False  # in an operation: what torch calls inside it is not yours (gloo's send is an isend)
 
     def find(self, kind: str, what: str, **facts) -> None:
         if not any(f["kind"] == kind for f in self.findings):
             self.findings.append({"kind": kind, "what": what, **facts})
 
     def observe(self, name: str, original, args, kwargs):
+        if self._inside:
+            return original(*args, **kwargs)
         layout, stage = self.audit.layout, self.audit.stage
         try:
             params = SIGNATURES[name].bind(*args, **kwargs).arguments
@@ -130,10 +133,11 @@ class Call:
             )
         for fatal in (f for f in self.findings if MISTAKES[f["kind"]][0] and f["kind"] == "wrong_rank_space"):
             raise AuditFinding(mistake_text(fatal["kind"], fatal["what"]))  # before torch waits on a wrong peer
-        start = time.perf_counter()
+        start, self._inside = time.perf_counter(), True
         try:
             result = original(*args, **kwargs)
         finally:
+            self._inside = False
             op["ms"] = round(1e3 * (time.perf_counter() - start), 3)
             self.ops.append(op)
         if name in RECEIVES:

@@ -18,12 +18,11 @@ def pp_sync_rules(audit, call: Call, sync, data, earlier: list) -> None:
     if dropped:
         call.find(
             "lost_send_handle",
-            f"stage {stage}'s pp_sync dropped {len(dropped)} handle(s) of earlier sends from self.work_list "
-            "(append to it: do not replace it)",
+            f"stage {stage}'s pp_sync removed {len(dropped)} handle(s) of earlier sends from self.work_list",
         )
     for work in call.works:
         if work.op["op"] == "isend" and id(work) not in kept and not work.waited:
-            call.find("lost_send_handle", f"stage {stage}'s isend handle was not kept in self.work_list")
+            call.find("lost_send_handle", f"stage {stage} dropped the handle its isend returned")
         elif work.op["op"] == "isend" and work.waited:
             call.find("blocking_send", f"stage {stage} waited for its own isend before returning")
         elif work.op["op"] == "irecv" and not work.waited:
@@ -143,7 +142,7 @@ def writing_check_rules(audit, call: Call, cache, count: int, before: dict) -> N
                 f"{node.lock_ref})",
             )
         if i not in before["published"]:
-            call.find("node_not_published", f"stage {stage} did not call self.publish_write on node {i}")
+            call.find("node_not_published", f"stage {stage} consumed the ack of node {i} but never published the node")
     others = [i for i in before["ongoing"] if i not in expected and i not in cache.ongoing_write_through]
     if others:
         call.find(

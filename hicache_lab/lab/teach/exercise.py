@@ -37,7 +37,7 @@ from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
 from ..presets import WORLD, config
 from .explain import audit_lines, crash_kind, explain_run, finding_words, first_finding, lockstep_words
-from .mistakes import mistake_text
+from .mistakes import MISTAKES, mistake_text
 from .sync_impl import SYNC_IMPLS
 
 STORAGE = (
@@ -78,15 +78,31 @@ def exercise_config(
     return dataclasses.replace(cfg, parallel=parallel)
 
 
+HINT_ON_REQUEST = "stuck? check(..., hint=True), or --hint from the shell, says what to change"
+
+
 @dataclass
 class Verdict:
+    """What the check found, in two levels: the kind of mistake, what the rank did and why it is wrong (`lines`);
+    then, only if asked for (`show_hint`), what to change (`hint`: the kind's `Mistake.fix`)."""
+
     ok: bool = True
     lines: list[str] = field(default_factory=list)
     mistake: str | None = None  # the MISTAKES kind the audit named, if any
     skipped: bool = False  # called in a rank, or while the check imports the caller's file: nothing to say
+    show_hint: bool = False
+
+    @property
+    def hint(self) -> str | None:
+        return MISTAKES[self.mistake].fix if self.mistake else None
 
     def __str__(self) -> str:
-        return "" if self.skipped else "\n".join([*self.lines, "PASSED" if self.ok else "FAILED"])
+        if self.skipped:
+            return ""
+        lines = list(self.lines)
+        if not self.ok and self.hint:
+            lines.append(f"hint: {self.hint}" if self.show_hint else f"({HINT_ON_REQUEST})")
+        return "\n".join([*lines, "PASSED" if self.ok else "FAILED"])
 
 
 def spec_of(slot: str, value: str | Callable) -> str:
@@ -125,8 +141,10 @@ def check(
     device: str = "cpu",
     quick: bool = True,
     worlds: tuple[World, ...] = WORLDS,
+    hint: bool = False,
 ) -> Verdict:
-    """Each world in turn with your functions (None: the lab's own), until one shows a mistake."""
+    """Each world in turn with your functions (None: the lab's own), until one shows a mistake. `hint`: add what
+    to change to a verdict that names a kind of mistake."""
     global _running
     if _running or multiprocessing.current_process().name != "MainProcess":  # a spawned rank importing a script
         return Verdict(skipped=True)
@@ -134,7 +152,7 @@ def check(
     specs = tuple(spec_of(slot, value) for slot, value in given.items() if value is not None)
     if not specs:
         raise ConfigError(f"check() needs at least one of {', '.join(SYNC_IMPL_SLOTS)}")
-    verdict = Verdict()
+    verdict = Verdict(show_hint=hint)
     _running = True
     try:
         for i, world in enumerate(worlds):

@@ -1,6 +1,7 @@
-"""`python -m hicache_lab exercise`: the check (exercise.py) from the shell, and `--table`, the table of every kind
-of mistake the audit names for docs/notebooks.md, each with a wrong answer of teaching/mistakes/ that shows it
-(`EXAMPLES`)."""
+"""`python -m hicache_lab exercise`: the check (exercise.py) from the shell (`--hint`: with what to change), and
+`--table`, the table of every kind of mistake the audit names for docs/notebooks.md (with `--hint`, the teachers'
+table of teaching/README.md: each kind with a wrong answer of teaching/mistakes/ that shows it, `EXAMPLES`, and
+its fix)."""
 
 from __future__ import annotations
 
@@ -35,15 +36,21 @@ EXAMPLES = {  # kind -> a wrong answer in teaching/mistakes/ that shows it (test
 }
 
 
-def mistakes_table() -> str:
-    """The markdown table of every kind of mistake the audit recognises (docs/notebooks.md): its name in a
-    verdict, whether it stops the run, a wrong answer that shows it, and the check's words for why."""
-    rows = ["| `WRONG (kind)` | stops the run | shown by `teaching/mistakes/` | the check says |", "|---|---|---|---|"]
-    rows += [
-        f"| `{kind}` | {'at once' if fatal else 'no: the run shows it'} | `{EXAMPLES[kind]}` | {why} |"
-        for kind, (fatal, why) in MISTAKES.items()
-    ]
+def mistakes_table(hint: bool = False) -> str:
+    """The markdown table of every kind of mistake the audit recognises: its name in a verdict, whether it stops
+    the run, and the check's words for why it is wrong (docs/notebooks.md, for students). `hint`: with a wrong
+    answer of teaching/mistakes/ that shows it and the fix (teaching/README.md, for teachers)."""
+    if not hint:
+        rows = ["| `WRONG (kind)` | stops the run | why it is wrong (the check's words) |", "|---|---|---|"]
+        rows += [f"| `{kind}` | {stops(m)} | {m.why} |" for kind, m in MISTAKES.items()]
+        return "\n".join(rows)
+    rows = ["| `WRONG (kind)` | stops the run | shown by `teaching/mistakes/` | the hint |", "|---|---|---|---|"]
+    rows += [f"| `{kind}` | {stops(m)} | `{EXAMPLES[kind]}` | {m.fix} |" for kind, m in MISTAKES.items()]
     return "\n".join(rows)
+
+
+def stops(mistake) -> str:
+    return "at once" if mistake.fatal else "no: the run shows it"
 
 
 def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,17 +63,24 @@ def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="runs/exercise", help="where each world's run is written")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--full", action="store_true", help="twice the clients, rounds and device pool")
-    parser.add_argument("--table", action="store_true", help="print the table of mistakes the check recognises")
+    parser.add_argument(
+        "--hint", action="store_true", help="add what to change to a verdict that names a kind of mistake"
+    )
+    parser.add_argument(
+        "--table",
+        action="store_true",
+        help="print the table of mistakes the check recognises (with --hint: the teachers' table, with the fixes)",
+    )
 
 
 def cmd_exercise(args: argparse.Namespace) -> int:
     if args.table:
-        print(mistakes_table())
+        print(mistakes_table(args.hint))
         return 0
     given = {slot: getattr(args, slot) for slot in SYNC_IMPL_SLOTS}
     if not any(given.values()):
         print("give at least one of --pp-sync, --writing-check, --attn-groups (FILE.py:FUNCTION)", file=sys.stderr)
         return 2
-    verdict = check(**given, out_dir=args.out, device=args.device, quick=not args.full)
+    verdict = check(**given, out_dir=args.out, device=args.device, quick=not args.full, hint=args.hint)
     print(verdict)
     return 0 if verdict.ok else 1

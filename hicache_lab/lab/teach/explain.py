@@ -82,8 +82,8 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     lead = ""
     if your_lead is not None and relay_lead is not None:
         lead = (
-            f"stage 0 left a call a median {relay_lead:.2f} ms before the last stage with the relay (it runs ahead), "
-            f"{your_lead:.2f} ms with yours; "
+            f"with the relay stage 0 finishes a call {relay_lead:.2f} ms (median) before the last stage finishes the "
+            f"same call: it runs ahead; with yours, {your_lead:.2f} ms; "
         )
     waits = ", ".join(f"stage {s} {yours[s]:.2f} ms against {relay[s]:.2f} ms" for s in relay if s in yours)
     steps_yours, steps_relay = stage_medians(out_dir), stage_medians(relay_dir)
@@ -115,10 +115,8 @@ def explain_run(summary: dict, lines: list[dict]) -> str | None:
         if quantity == "digest":
             words.append(f"at step {step} {who}'s tree differs from {other}'s (shape, tiers or locks)")
         elif quantity in ("acks_write", "acks_load"):
-            words.append(
-                f"at step {step} {who} consumed {values[odd]} {QUANTITIES[quantity]} while {other} consumed "
-                f"{values[first]}"
-            )
+            acks = QUANTITIES[quantity].removesuffix("s") if values[odd] == 1 else QUANTITIES[quantity]
+            words.append(f"at step {step} {who} consumed {values[odd]} {acks} while {other} consumed {values[first]}")
         else:
             words.append(
                 f"at step {step} {who} and {other} differ in {QUANTITIES[quantity]}: {values[odd]} vs {values[first]}"
@@ -137,8 +135,8 @@ def explain_run(summary: dict, lines: list[dict]) -> str | None:
         if oracle["copy_mismatches"]:
             first = oracle["copy_mismatches"][0]
             words.append(
-                f"the oracle found {len(oracle['copy_mismatches'])} copies whose destination differs from its source, "
-                f"the first: the {first}; a copy's ack was consumed before the copy had finished"
+                f"the oracle found {len(oracle['copy_mismatches'])} copies whose destination differs from their "
+                f"source, the first: the {first}; a copy's ack was consumed before the copy had finished"
             )
         else:
             wrong = oracle["requests_with_wrong_logits"]

@@ -1,0 +1,194 @@
+"""The student path (docs/lab_session.md) teaches before it asks: nothing a student reads or runs before writing
+a function holds that function's answer, and the glossary's words mean one thing wherever they are used.
+
+Before notebook 06 a student reads the README, the session plan, the glossary, docs/notebooks.md and notebooks
+01 and 02 (their text, code and committed outputs): none may hold the code of any of the three answers, nor the
+check's hints. Exercise 3 is homework after notebook 03, which must not hold the groups' answer either."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from hicache_lab.distributed.cache_sync import CacheSync
+from hicache_lab.lab.teach.mistakes import MISTAKES
+from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
+
+ROOT = Path(__file__).resolve().parents[2]
+BEFORE_06 = ("README.md", "docs/lab_session.md", "docs/glossary.md", "docs/notebooks.md")
+NOTEBOOKS_BEFORE_06 = ("01_hicache_tour", "02_pp_queue_divergence")
+ANSWERS = {  # each answer's code, as a student would write it: none of it may be shown before it is asked for
+    "the relay": (CacheSync._pp_sync, ("clone()", "work_list.append", "group_src=self.pp_rank", "group_dst=self.")),
+    "writing_check's body": (
+        HiRadixCache.writing_check,
+        ("finish_event.synchronize()", "ongoing_write_through.pop", "ack_write_queue.pop", "pop_acks("),
+    ),
+    "the groups": (CacheSync._attn_groups, ("self.groups.attn_cp_group", "attn_cp_group, self.groups.attn_tp")),
+}
+
+
+def statements(function) -> list[str]:
+    """The answer's own lines of code (not its signature, docstring or comments), long enough to be telling."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+    body = tree.body[0].body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    lines = (line.split("#")[0].strip() for stmt in body for line in ast.unparse(stmt).splitlines())
+    return [line for line in lines if len(line) >= 24]
+
+
+def solution_statements() -> list[str]:
+    solutions = ROOT / "teaching" / "solutions"
+    if not solutions.is_dir():  # a student edition
+        return []
+    lines = (line.split("#")[0].strip() for path in solutions.glob("*.py") for line in path.read_text().splitlines())
+    return [line for line in lines if len(line) >= 24 and not line.startswith(("import", "from", '"""', "def "))]
+
+
+def notebook_text(name: str) -> str:
+    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    parts = [cell.source for cell in nb.cells]
+    parts += [str(o.get("text", "")) + str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", [])]
+    return "\n".join(parts)
+
+
+def shown(text: str, answers: tuple[str, ...]) -> list[str]:
+    """What of `answers` (names of ANSWERS), the solutions or the check's hints `text` holds."""
+    text = text.replace("'", '"')
+    lines = {f"{name}: {line!r}": line for name in answers for line in statements(ANSWERS[name][0])}
+    lines |= {f"teaching/solutions: {line!r}": line for line in solution_statements()}
+    lines |= {f"{name}: {m!r}": m for name in answers for m in ANSWERS[name][1]}
+    lines |= {f"the hint of {kind}: {m.fix!r}": m.fix for kind, m in MISTAKES.items()}
+    return [what for what, line in lines.items() if line.replace("'", '"') in text]
+
+
+@pytest.mark.parametrize("name", BEFORE_06 + NOTEBOOKS_BEFORE_06)
+def test_nothing_before_notebook_06_holds_an_answer(name):
+    text = (ROOT / name).read_text() if name.endswith(".md") else notebook_text(name)
+    assert not shown(text, tuple(ANSWERS)), f"{name} shows an answer before the exercise"
+
+
+def test_notebook_03_does_not_show_the_groups_before_exercise_3():
+    assert not shown(notebook_text("03_cp_prefetch_sync"), ("the groups",))
+
+
+def test_the_answer_marks_do_find_the_answers():
+    """Each answer's marks and statements are found in its own source, and in a notebook that printed it (the
+    cell notebook 03 had before exercise 3 became homework)."""
+    for name, (function, _) in ANSWERS.items():
+        assert statements(function), name
+        assert shown(inspect.getsource(function), (name,)), name
+    printed = f"<pre>{inspect.getsource(CacheSync._attn_groups)}</pre>"
+    assert shown(printed, ("the groups",)), "side_by_side's output of the lab's _attn_groups is an answer"
+
+
+GLOSSARY = ROOT / "docs" / "glossary.md"
+ENTRY = re.compile(r"^\* \*\*(?P<term>[^*]+)\*\*: (?P<text>.+)$")
+MEANINGS = [  # a wrong meaning once written on the path -> the meaning the glossary gives
+    (r"(?:finished copy|copy that has finished) leaves", "an ack is queued when its copy starts"),
+    (r"record (?:that |which )?a finished copy", "an ack is queued when its copy starts"),
+    (r"parts of the same KV|shards of the same requests", "attention-CP peers hold the same KV"),
+    (r"[Ll]egacy[^.]{0,40} agree[sd]? (?:on )?nothing", "legacy took a MIN over attention-TP within a stage"),
+    (
+        r"SGLang(?:'s HiCache)? agreed (?:only )?over (?:the |its )?(?:attention-)?TP",
+        "SGLang's legacy group left the CP peers out only under DP attention (docs/fidelity.md, A3)",
+    ),
+]
+
+
+def glossary() -> dict[str, str]:
+    entries = {}
+    for line in GLOSSARY.read_text().splitlines():
+        if m := ENTRY.match(line):
+            entries[m["term"]] = m["text"]
+    return entries
+
+
+def aliases() -> dict[str, str]:
+    """Each word a glossary entry defines (lower case) -> the entry's term."""
+    return {alias.strip().lower(): term for term in glossary() for alias in term.split(",")}
+
+
+def documents() -> dict[str, str]:
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in [ROOT / "README.md", ROOT / "SYNC.md"]}
+    texts |= {str(p.relative_to(ROOT)): p.read_text() for p in (ROOT / "docs").glob("*.md") if p != GLOSSARY}
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        texts[path.name] = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    return texts
+
+
+def definitions(text: str) -> list[tuple[str, str]]:
+    """(term, definition) of each bullet that defines a glossary word: `* **word**: ...` or `* **word** - ...`."""
+    known, found = aliases(), []
+    for m in re.finditer(r"^\* \*\*([^*]+)\*\*(?::| -| —) (.+(?:\n  .+)*)", text, re.M):
+        words = {w.strip().lower().removesuffix("s") for w in re.split(r",|/| and ", m[1])}
+        if any(w in known or w + "s" in known for w in words):
+            found.append((m[1], " ".join(m[2].split())))
+    return found
+
+
+def test_a_term_defined_again_quotes_the_glossary():
+    entries = {term.lower(): text for term, text in glossary().items()}
+    assert len(entries) >= 20
+    wrong = [
+        f"{name}: **{term}**"
+        for name, text in documents().items()
+        for term, definition in definitions(text)
+        if entries.get(term.lower()) != definition
+    ]
+    assert not wrong, f"defined otherwise than in docs/glossary.md (quote its entry word for word): {wrong}"
+
+
+def test_no_text_gives_a_term_another_meaning():
+    wrong = [
+        f"{name}: {m.group(0)!r} (the glossary: {meaning})"
+        for name, text in documents().items()
+        for pattern, meaning in MEANINGS
+        for m in [re.search(pattern, " ".join(text.split()))]
+        if m
+    ]
+    assert not wrong, wrong
+
+
+def test_the_checks_find_the_contradictions_they_were_written_for():
+    """Each MEANINGS pattern catches the sentence that was on the path, and a paraphrased definition is caught."""
+    was = [
+        "A copy that has finished leaves an **ack**: its completion record",
+        "the record a finished copy leaves (device → host: a *write* ack)",
+        "they hold parts of the same KV and must take the same cache decisions",
+        "Legacy (SGLang before the fix) agreed on nothing",
+        "Before the CP fix SGLang agreed over attention-TP only",
+    ]
+    for (pattern, _), sentence in zip(MEANINGS, was, strict=True):
+        assert re.search(pattern, sentence), pattern
+    ack = next(t for t in glossary() if t == "Ack")
+    assert definitions(f"* **{ack.lower()}**: the record a finished copy leaves\n") == [
+        ("ack", "the record a finished copy leaves")
+    ]
+
+
+def test_a_student_edition_leaves_out_the_answers_and_nothing_students_read_points_into_them(tmp_path):
+    """The edition is HEAD without teaching/; the documents and notebooks students read (as they are now) run no
+    wrong answer or solution of teaching/, which the edition does not hold."""
+    from hicache_lab.errors import ConfigError
+    from hicache_lab.lab.teach.edition import make_edition
+
+    edition = tmp_path / "edition"
+    files = make_edition(edition)
+    assert not (edition / "teaching").exists() and not [f for f in files if f.startswith("teaching/")]
+    assert (edition / "notebooks" / "06_exercises.ipynb").is_file() and (edition / "Makefile").is_file()
+    with pytest.raises(ConfigError, match="not an empty directory"):
+        make_edition(edition)
+    with pytest.raises(ConfigError, match="inside the repository"):
+        make_edition(ROOT / "runs" / "edition")
+    command = re.compile(r"teaching/(?:mistakes|solutions)/\w+\.py:\w+")
+    read = [ROOT / "README.md", ROOT / "SYNC.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "notebooks").glob("*.ipynb")]
+    pointing = [str(p.relative_to(ROOT)) for p in read if command.search(p.read_text())]
+    assert not pointing, f"runs a wrong answer or solution a student edition does not hold: {pointing}"
