@@ -39,14 +39,14 @@ except `--sync`, replaced by `--sync-modes`):
 How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective (it
 only lacks the relay) and fixed/legacy is the whole price of the relay (one per step: write, load and backup
 counts travel together); step times include waiting for the other stage, so the price shows wherever the wait
-lands. Part 2: a later stage's wait in the relay's recv is mostly the stage waiting for the previous one to
-start the step, which it would wait for anyway on the activations (its activation wait shrinks by as much):
-that wait is not the relay's cost; the pipeline's step time over `none` is. A barrier or an all-reduce at the
-same point of every step does not deadlock (every stage calls it once a step), but it holds every stage there
-until the slowest arrives: stages in lockstep, and the later stages then wait again for the activations, so
-the stages' forwards no longer overlap. (Such a collective deadlocks where stages make different numbers of
-calls, e.g. only PP rank 0 calls it.) Part 3: the ratio separate/combined is what batching the two
-agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed machine:
+lands. Part 2: a stage's time in the relay (stage 0's drain, a later stage's recv) is waiting, for another
+stage or for the message (gloo moves it only once the recv is posted): not the relay's cost, which is the
+pipeline's step time over `none` (notebook 05 draws where the waits fall, --timeline). A barrier or an
+all-reduce at the same point of every step does not deadlock (every stage calls it once a step), but it holds
+every stage there until the slowest arrives: stages in lockstep, and the later stages then wait again for the
+activations, so the stages' forwards no longer overlap. (Such a collective deadlocks where stages make
+different numbers of calls, e.g. only PP rank 0 calls it.) Part 3: the ratio separate/combined is what
+batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed machine:
 compare within a run, and read the min-max before a difference.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
