@@ -49,15 +49,15 @@ def _clip_note(stats, ceiling: float) -> str:
     return f"\nwhiskers stop at {CLIP:g}x the largest median (↑: the max)" if (stats["max"] > ceiling).any() else ""
 
 
-def _log_y(ax, low: float, high: float, room: float) -> None:
+def _log_y(ax, low: float, high: float, room: float, subs: tuple = (1, 2, 5)) -> None:
     """A log y axis from `low` to `high` (medians, whiskers up to `_ceiling`): one slow block stretches it by
-    a factor, not the rest flat onto the floor; `room` of its height on top for the legend; ticks at 1, 2 and 5
-    of each decade, written as plain numbers."""
+    a factor, not the rest flat onto the floor; `room` of its height on top for the legend; ticks at `subs` of
+    each decade, written as plain numbers."""
     low, high = max(low, 1e-3) / 1.25, high * 1.3
     top = high * math.exp(math.log(high / low) * room / (1 - room))
     ax.set_yscale("log")
     ax.set_ylim(low, top)
-    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1, 2, 5)))
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
 
@@ -167,7 +167,7 @@ def _pipeline_panel(ax, pipe, scenario: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("pipeline stages (PP)")
     ax.set_ylabel("pipeline step (ms, last stage; log scale)")
-    _log_y(ax, low, high, room=0.3)  # room for the legend above the lines
+    _log_y(ax, low, high, room=0.3, subs=(1, 2, 4, 6, 8))  # room for the legend above the lines
     blocks = last["repeat"].nunique()
     what = "equal stages" if scenario == "equal" else "a slow last stage"
     title = f"modelled pipeline, {what}: step time, median and min-max of {blocks} blocks"
