@@ -39,19 +39,20 @@ except `--sync`, replaced by `--sync-modes`):
 How to read it. Part 1: at `--tp 1` the attention-TP group has one rank, so `legacy` does no collective (it
 only lacks the relay) and fixed/legacy is the whole price of the relay (one per step: write, load and backup
 counts travel together); step times include waiting for the other stage, so the price shows wherever the wait
-lands. Part 2: a later stage's wait in the relay's recv is mostly the stage waiting for the previous one to
-start the step, which it would wait for anyway on the activations (its activation wait shrinks by as much):
-that wait is not the relay's cost; the pipeline's step time over `none` is. A barrier or an all-reduce at the
-same point of every step does not deadlock (every stage calls it once a step), but it holds every stage there
-until the slowest arrives: stages in lockstep, and the later stages then wait again for the activations, so
-the stages' forwards no longer overlap. (Such a collective deadlocks where stages make different numbers of
-calls, e.g. only PP rank 0 calls it.) Part 3: the ratio separate/combined is what batching the two
-agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed machine:
+lands. Part 2: a stage's time in the relay (stage 0's drain, a later stage's recv) is waiting, for another
+stage or for the message (gloo moves it only once the recv is posted): not the relay's cost, which is the
+pipeline's step time over `none` (notebook 05 draws where the waits fall, --timeline). A barrier or an
+all-reduce at the same point of every step does not deadlock (every stage calls it once a step), but it holds
+every stage there until the slowest arrives: stages in lockstep, and the later stages then wait again for the
+activations, so the stages' forwards no longer overlap. (Such a collective deadlocks where stages make
+different numbers of calls, e.g. only PP rank 0 calls it.) Part 3: the ratio separate/combined is what
+batching the two agreements saves per step. 2 cores shared by up to 4 gloo processes is a noisy, oversubscribed machine:
 compare within a run, and read the min-max before a difference.
 
 Writes bench/results/agreement_cost.csv (one row per measurement: a run's mean step time on one rank, or one
 block on one stage) and bench/results/agreement_cost.json (machine, code, arguments, medians, min-max, ratios),
-then prints the CSV's tables as notebook 05 shows them (bench/agreement_tables.py).
+then prints the CSV's tables as notebook 05 shows them (bench/agreement_tables.py). `--timeline`: also
+agreement_timeline.csv, part 2's every stage and timed step with its marks (notebook 05's Gantt chart).
 """
 
 from __future__ import annotations
@@ -242,12 +243,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=5, help="parts 2-3: interleaved blocks (median, min-max)")
     parser.add_argument("--skip-step-time", action="store_true", help="skip part 1")
     parser.add_argument("--skip-primitives", action="store_true", help="skip parts 2 and 3")
+    parser.add_argument("--timeline", action="store_true", help="part 2: write agreement_timeline.csv")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
     args = parser.parse_args()
     base = config_from_args(args)
     modes = list(dict.fromkeys(args.sync_modes))
     kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
-    rows, report = [], {"machine": machine_record(), "code": code_state(), "args": kept}
+    rows, timeline, report = [], [], {"machine": machine_record(), "code": code_state(), "args": kept}
     started = time.perf_counter()
     if not args.skip_step_time:
         w, p, c = base.workload, base.parallel, base.cache
@@ -275,8 +277,9 @@ def main() -> None:
             "warmup": args.warmup,
             "blocks": args.blocks,
             "timeout_s": base.parallel.collective_timeout_s,
+            "timeline": args.timeline,
         }
-        prim_rows, values = measure_primitives(args.pp_sizes, world_args)
+        prim_rows, values, timeline = measure_primitives(args.pp_sizes, world_args)
         rows += prim_rows
         report["pipeline_and_attention"] = report_primitives(values, world_args)
     report["elapsed_s"] = time.perf_counter() - started
@@ -285,7 +288,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "agreement_cost.csv", rows, CSV_FIELDS)
     (out / "agreement_cost.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    print(f"\nwrote {out}/agreement_cost.csv and agreement_cost.json ({report['elapsed_s']:.0f} s)")
+    if timeline:
+        write_csv(out / "agreement_timeline.csv", timeline)
+    also = ", agreement_timeline.csv" if timeline else ""
+    print(f"\nwrote {out}/agreement_cost.csv, agreement_cost.json{also} ({report['elapsed_s']:.0f} s)")
     print(f"\n{HEADER}")
     print_tables(pd.read_csv(out / "agreement_cost.csv"))
 

@@ -23,6 +23,10 @@ ATTN_OPS = ("combined_1x2", "separate_2x1")
 MIN = dist.ReduceOp.MIN
 HIDDEN = 256  # elements of the modelled activations (a few tokens of a small model)
 TAG_HIDDEN, TAG_RING, TAG_RELAY = 0, 1, 2
+# A timed step's marks (agreement_timeline.csv): it starts, the relay's drain ends (= start for the other
+# variants), the agreement ends, the activations are in, the forward ends, the step ends (its activations or
+# tokens sent on; stage 0 has also received the tokens of step - PP + 1).
+TIMELINE_MARKS = ("start", "drained", "agreed", "received", "forwarded", "end")
 
 
 def _agree(variant: str, data: torch.Tensor, rank: int, size: int, group, relay_works: list) -> float:
@@ -52,7 +56,9 @@ def _pipeline(variant: str, forward_s: float, rank: int, size: int, groups: tupl
     (a sleep of `forward_s`: a GPU stage's CPU waits on its device); send the activations on (async). The last
     stage sends the sampled tokens to stage 0, which takes back step j's at the end of step j + size - 1
     (`pp_loop_size` = pp micro-batch slots), so stage 0 runs at most a slot cycle ahead. Times the steps after
-    the warmup: seconds per step, and per step the time in the agreement and in the activations' receive."""
+    the warmup: seconds per step, and per step the time in the agreement and in the activations' receive. With
+    `args['timeline']`, also every timed step's marks (`TIMELINE_MARKS`, perf_counter seconds: on Linux
+    CLOCK_MONOTONIC, one clock for every process of the machine)."""
     agree_group, act_group = groups
     data = torch.zeros(1, dtype=torch.int64)
     hidden = torch.zeros(HIDDEN)
@@ -61,19 +67,22 @@ def _pipeline(variant: str, forward_s: float, rank: int, size: int, groups: tupl
     sends: list[tuple[int, dist.Work]] = []
     last = size - 1
     agree_s = drain_s = act_s = 0.0
+    marks: list[list[float]] = []  # per timed step: TIMELINE_MARKS
     start = time.perf_counter()
     for step in range(args["warmup"] + args["steps"]):
         if step == args["warmup"]:
             agree_s = drain_s = act_s = 0.0
             start = time.perf_counter()
         t0 = time.perf_counter()
-        drain_s += _agree(variant, data, rank, size, agree_group, relay_works)
+        drained = _agree(variant, data, rank, size, agree_group, relay_works)
         t1 = time.perf_counter()
         if rank > 0:
             dist.recv(hidden, group_src=rank - 1, group=act_group, tag=TAG_HIDDEN)
         t2 = time.perf_counter()
-        agree_s, act_s = agree_s + t1 - t0, act_s + t2 - t1
+        drain_s, agree_s, act_s = drain_s + drained, agree_s + t1 - t0, act_s + t2 - t1
         time.sleep(forward_s)
+        if step >= args["warmup"] and args.get("timeline"):
+            marks.append([t0, t0 + drained, t1, t2, time.perf_counter()])
         if rank < last:
             sends.append((step, dist.isend(hidden.clone(), group_dst=rank + 1, group=act_group, tag=TAG_HIDDEN)))
         else:
@@ -83,6 +92,8 @@ def _pipeline(variant: str, forward_s: float, rank: int, size: int, groups: tupl
         for _, work in (s for s in sends if s[0] <= step - size):  # scheduler_pp.drain_sends' bound
             work.wait()
         sends = [s for s in sends if s[0] > step - size]
+        if marks and len(marks[-1]) < len(TIMELINE_MARKS):
+            marks[-1].append(time.perf_counter())
     elapsed = time.perf_counter() - start
     if rank == 0:  # the tokens of the last size - 1 steps
         for _ in range(last):
@@ -95,6 +106,7 @@ def _pipeline(variant: str, forward_s: float, rank: int, size: int, groups: tupl
         "agree_s": agree_s / steps,
         "drain_s": drain_s / steps,
         "act_wait_s": act_s / steps,
+        "timeline": marks,
     }
 
 
@@ -159,14 +171,35 @@ PIPELINE_METRICS = (  # record key, CSV metric, scale, unit, note
 )
 
 
-def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dict]:
-    """CSV rows (one per stage, measurement and block) and {pp: {key: {rank: [value per block]}}}, key
-    (scenario, variant, metric) for part 2 and ('attn', op, 'us_per_step') for part 3."""
-    rows, values = [], {}
+def timeline_rows(size: int, per_rank: dict[int, list[dict]]) -> list[dict]:
+    """agreement_timeline.csv's rows of one world: one per stage and timed step of every run (scenario, variant,
+    block), its `TIMELINE_MARKS` in ms from the moment the run's first stage began its first timed step."""
+    runs: dict[tuple, dict[int, list]] = {}
+    for rank, records in per_rank.items():
+        for rec in records:
+            if rec["part"] == "pipeline" and rec["timeline"]:
+                runs.setdefault((rec["scenario"], rec["op"], rec["block"]), {})[rank] = rec["timeline"]
+    rows = []
+    for (scenario, variant, block), by_rank in runs.items():
+        origin = min(marks[0][0] for marks in by_rank.values())
+        for rank, marks in sorted(by_rank.items()):
+            for step, times in enumerate(marks):
+                where = {"pp": size, "scenario": scenario, "variant": variant, "block": block, "rank": rank}
+                ms = {name: round((t - origin) * 1e3, 4) for name, t in zip(TIMELINE_MARKS, times, strict=True)}
+                rows.append({**where, "step": step, **ms})
+    return rows
+
+
+def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dict, list[dict]]:
+    """CSV rows (one per stage, measurement and block), {pp: {key: {rank: [value per block]}}}, key
+    (scenario, variant, metric) for part 2 and ('attn', op, 'us_per_step') for part 3, and with
+    `args['timeline']` the timeline's rows (`timeline_rows`; else none)."""
+    rows, values, timeline = [], {}, []
     for size in pp_sizes:
         started = time.perf_counter()
         per_rank = measure_world(size, args)
         print(f"  world of {size} ranks: {time.perf_counter() - started:.1f} s")
+        timeline += timeline_rows(size, per_rank)
         for rank, records in per_rank.items():
             for rec in records:
                 base = {"pp": size, "variant": rec["op"], "rank": rank, "repeat": rec["block"]}
@@ -219,4 +252,4 @@ def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dic
             if row["pp"] == size and row["metric"] != "forward_ms":
                 key = (row["scenario"] or "attn", row["variant"], row["metric"])
                 values.setdefault(size, {}).setdefault(key, {}).setdefault(row["rank"], []).append(row["value"])
-    return rows, values
+    return rows, values, timeline

@@ -59,8 +59,8 @@ def report_primitives(values: dict, args: dict) -> dict:
         "  step ms: the last stage's wall time per step, the pipeline's throughput; '+ over none': the median over "
         "blocks of (variant - none) in the same block,\n  the agreement's own cost. Relay: a stage before the last "
         "drains (waits until the next stage has received its previous count) and isends; later stages wait in\n  "
-        "the recv, mostly for the previous stage to start the step, which they would otherwise wait for on the "
-        "activations. Barrier / all-reduce: every\n  stage waits there for the slowest (lockstep)."
+        "the recv, for the previous stage to send the count and for gloo to hand it over (it moves the data only "
+        "once the recv is posted).\n  Barrier / all-reduce: every stage waits there for the slowest (lockstep)."
     )
     print(f"\n  lockstep (slow_last, forwards {w:g} ms and the last stage's {w * k:g} ms): pipeline step, ms")
     for size, by_key in values.items():

@@ -9,17 +9,20 @@ import pytest
 from PIL import Image
 
 from bench.agreement_cost import CSV_FIELDS
-from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, measure_primitives
+from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, TIMELINE_MARKS, measure_primitives
 from bench.agreement_tables import PART1_SKIPPED, sections
 from bench.common import write_csv
+from hicache_lab.lab.figures.lockstep import LOCKSTEP_VARIANTS, plot_lockstep
 from hicache_lab.lab.figures.sync_cost import plot_sync_cost
 
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
+SMOKE_TIMELINE = {**SMOKE, "steps": 5, "timeline": True}
 
 
 @pytest.mark.spawns
 def test_every_stage_reports_every_measurement(tmp_path):
-    rows, values = measure_primitives([3], SMOKE)  # first, middle and last stage
+    rows, values, timeline = measure_primitives([3], SMOKE)  # first, middle and last stage
+    assert timeline == []  # only with args["timeline"]
     frame = pd.DataFrame(rows)
     pipe = frame[(frame["part"] == "pipeline") & (frame["metric"] != "forward_ms")]
     for size in (3,):
@@ -66,3 +69,24 @@ def test_part_1_alone_is_one_panel(tmp_path):
     out = tmp_path / "sync_cost.png"
     assert plot_sync_cost(frame, out) == ["step_time"]
     assert Image.open(out).size[0] > 500
+
+
+@pytest.mark.spawns
+def test_the_timeline_marks_every_timed_step_in_order_and_on_one_clock(tmp_path):
+    """--timeline: every stage's every timed step of every run, its marks in order; a later stage has a step's
+    activations only after the stage before ended that step's forward (one clock for every process); and the
+    Gantt chart draws a panel per variant from it."""
+    _, _, timeline = measure_primitives([3], SMOKE_TIMELINE)
+    frame = pd.DataFrame(timeline)
+    keys = ["scenario", "variant", "block", "rank", "step"]
+    assert len(frame) == len(SCENARIOS) * len(PP_VARIANTS) * SMOKE["blocks"] * 3 * SMOKE_TIMELINE["steps"]
+    assert not frame.duplicated(keys).any()
+    marks = frame[list(TIMELINE_MARKS)].to_numpy()
+    assert (marks[:, 1:] >= marks[:, :-1]).all()  # start <= drained <= agreed <= received <= forwarded <= end
+    assert (frame[frame["variant"] != "relay"]["drained"] == frame[frame["variant"] != "relay"]["start"]).all()
+    later = frame[frame["rank"] > 0].set_index(keys)
+    before = frame.assign(rank=frame["rank"] + 1).set_index(keys).reindex(later.index)
+    assert (later["received"] >= before["forwarded"]).all()
+    table = plot_lockstep(frame, tmp_path / "lockstep.png", pp=3, scenario="slow_last", first_step=1, span_ms=3)
+    assert list(table.index) == list(LOCKSTEP_VARIANTS) and (table["pipeline step (ms)"] > 0).all()
+    assert Image.open(tmp_path / "lockstep.png").size[0] > 1000

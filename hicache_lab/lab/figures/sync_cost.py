@@ -4,10 +4,11 @@ agreement, and the pipeline's step time by PP with equal stages and with a slow 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
 from .style import OTHER_COLORS, save_figure
 
@@ -25,10 +26,40 @@ def _spread(frame, keys: list[str]):
     return frame.groupby(keys)["value"].agg(["median", "min", "max"])
 
 
-def _errorbar(ax, xs, stats, **style) -> None:
-    """Medians with min-max bars."""
-    low, high = stats["median"] - stats["min"], stats["max"] - stats["median"]
-    ax.errorbar(xs, stats["median"], yerr=[low, high], capsize=3, **style)
+CLIP = 3.0  # part 2's whiskers stop at CLIP x the panel's largest median, their value written there
+
+
+def _errorbar(ax, xs, stats, ceiling: float | None = None, **style) -> None:
+    """Medians with min-max bars; a max above `ceiling` is drawn up to it, with its value written above."""
+    top = stats["max"] if ceiling is None else stats["max"].clip(upper=ceiling)
+    ax.errorbar(xs, stats["median"], yerr=[stats["median"] - stats["min"], top - stats["median"]], capsize=3, **style)
+    for x, value in zip(xs, stats["max"], strict=True):
+        if ceiling is not None and value > ceiling:
+            color = style.get("color", style.get("ecolor", "black"))
+            ax.annotate(f"↑{value:,.0f}", (x, ceiling), ha="center", va="bottom", fontsize=7, color=color)
+
+
+def _ceiling(stats) -> float:
+    """Where part 2's whiskers stop: CLIP x the largest median (a slow block then stretches no axis)."""
+    return float(min(stats["max"].max(), CLIP * stats["median"].max()))
+
+
+def _clip_note(stats, ceiling: float) -> str:
+    """The title's word on clipped whiskers, where any is."""
+    return f"\nwhiskers stop at {CLIP:g}x the largest median (↑: the max)" if (stats["max"] > ceiling).any() else ""
+
+
+def _log_y(ax, low: float, high: float, room: float, subs: tuple = (1, 2, 5)) -> None:
+    """A log y axis from `low` to `high` (medians, whiskers up to `_ceiling`): one slow block stretches it by
+    a factor, not the rest flat onto the floor; `room` of its height on top for the legend; ticks at `subs` of
+    each decade, written as plain numbers."""
+    low, high = max(low, 1e-3) / 1.25, high * 1.3
+    top = high * math.exp(math.log(high / low) * room / (1 - room))
+    ax.set_yscale("log")
+    ax.set_ylim(low, top)
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.10g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _panel_axes(fig, panels: list[str]) -> dict:
@@ -74,6 +105,7 @@ def _stages_panel(ax, pipe) -> None:
     agree = pipe[(pipe["scenario"] == "equal") & (pipe["metric"] == "agree_us_per_step")]
     variants = [v for v in ("relay", "barrier", "all_reduce") if v in set(agree["variant"])]
     stats = _spread(agree, ["pp", "rank", "variant"])
+    ceiling = _ceiling(stats.loc[stats.index.get_level_values("variant").isin(variants)])
     positions, labels, x = [], [], 0.0
     for pp in sorted(agree["pp"].unique()):
         for rank in range(int(pp)):
@@ -86,7 +118,7 @@ def _stages_panel(ax, pipe) -> None:
         xs = [p + (j - (len(variants) - 1) / 2) * width for _, _, p in positions]
         rows = stats.loc[[(pp, rank, variant) for pp, rank, _ in positions]]
         ax.bar(xs, rows["median"], width * 0.9, color=SYNC_VARIANT_COLORS[variant], label=variant)
-        _errorbar(ax, xs, rows, fmt="none", ecolor="black", lw=0.8)
+        _errorbar(ax, xs, rows, ceiling, fmt="none", ecolor="black", lw=0.8)
     ax.set_xticks([p for _, _, p in positions], labels, fontsize=8)
     for pp in sorted(agree["pp"].unique()):
         xs = [p for q, _, p in positions if q == pp]
@@ -101,10 +133,13 @@ def _stages_panel(ax, pipe) -> None:
             xycoords=("data", "axes fraction"),
         )
     ax.set_xlabel("stage", labelpad=14)
-    ax.set_ylabel("µs per step in the agreement")
+    ax.set_ylabel("µs per step in the agreement (log scale)")
+    chosen = stats.loc[[(pp, rank, v) for pp, rank, _ in positions for v in variants]]
+    _log_y(ax, chosen["min"].min(), ceiling, room=0.22)
     ax.set_title(
         "equal stages: each stage's time in the agreement (mostly waiting)\n"
-        "relay: stage 0 drains + isends, later stages wait in the recv",
+        "relay: stage 0 drains + isends, later stages wait in the recv; median and min-max"
+        + _clip_note(chosen, ceiling),
         fontsize=9,
     )
     ax.legend(fontsize=8, loc="upper left")
@@ -116,23 +151,27 @@ def _pipeline_panel(ax, pipe, scenario: str) -> None:
     mine = pipe[(pipe["scenario"] == scenario) & (pipe["metric"] == "step_ms")]
     last = mine[mine["rank"] == mine["pp"] - 1]
     stats = _spread(last, ["variant", "pp"])
-    pps = sorted(last["pp"].unique())
+    pps, ceiling = sorted(last["pp"].unique()), _ceiling(stats)
     for j, variant in enumerate(v for v in SYNC_VARIANT_COLORS if v in set(last["variant"])):
         rows = stats.loc[variant].loc[pps]
         xs = [p + (j - 1.5) * 0.06 for p in pps]  # side by side, so the bars do not hide each other
-        _errorbar(ax, xs, rows, fmt="o-", color=SYNC_VARIANT_COLORS[variant], label=variant, ms=4, lw=1.5)
+        style = {"fmt": "o-", "color": SYNC_VARIANT_COLORS[variant], "label": variant, "ms": 4, "lw": 1.5}
+        _errorbar(ax, xs, rows, ceiling, **style)
     forward = pipe[(pipe["scenario"] == scenario) & (pipe["metric"] == "forward_ms")].groupby("pp")["value"]
+    low, high = stats["min"].min(), ceiling
     if len(forward.groups):
         ax.plot(pps, forward.max().loc[pps], ":", color="black", lw=1, label="the slowest stage's forward")
         ax.plot(pps, forward.sum().loc[pps], "--", color="black", lw=1, label="every stage's forward in a row")
+        low, high = min(low, forward.max().min()), max(high, forward.sum().max())
     ax.set_xticks(pps)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("pipeline stages (PP)")
-    ax.set_ylabel("pipeline step (ms, last stage)")
-    ax.set_ylim(0, 1.4 * ax.get_ylim()[1])  # room for the legend above the lines
+    ax.set_ylabel("pipeline step (ms, last stage; log scale)")
+    _log_y(ax, low, high, room=0.3, subs=(1, 2, 4, 6, 8))  # room for the legend above the lines
     blocks = last["repeat"].nunique()
     what = "equal stages" if scenario == "equal" else "a slow last stage"
-    ax.set_title(f"modelled pipeline, {what}: step time, median and min-max of {blocks} blocks", fontsize=9)
+    title = f"modelled pipeline, {what}: step time, median and min-max of {blocks} blocks"
+    ax.set_title(title + _clip_note(stats, ceiling), fontsize=9)
     ax.legend(fontsize=8, loc="upper left", ncol=2)
 
 
@@ -141,7 +180,9 @@ def plot_sync_cost(results, path: Path) -> list[str]:
     one panel per part it holds (a part the table lacks is left out, not drawn empty); medians with min-max bars.
     Part 1, the scheduler's mean step time by sync mode, per stage; part 2, the modelled pipeline: each stage's
     time in the agreement per step (equal stages), then the pipeline's step time by PP with equal stages and
-    with a slow last stage (the lockstep a symmetric collective causes). Returns the panels drawn."""
+    with a slow last stage (the lockstep a symmetric collective causes). Part 2's y axes are logarithmic and its
+    whiskers stop at CLIP x a panel's largest median (`_ceiling`; the title says so where one does). Returns the
+    panels drawn."""
     steps = results[(results["part"] == "step_time") & (results["metric"] == "mean_step_ms_common")]
     pipe = results[results["part"] == "pipeline"] if "scenario" in results.columns else results.iloc[:0]
     panels = (["step_time"] if len(steps) else []) + (["stages", "equal", "slow_last"] if len(pipe) else [])
