@@ -74,21 +74,22 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
 def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
-    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`),
-    scattered pages."""
+    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`, through
+    staging rings of 4 chunks of 3 tokens, so that each copy of 80 tokens goes round its ring 7 times, each chunk
+    waiting for its slot's last reader), scattered pages."""
     dma = mechanism == "dma"
     monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1 if dma else 1 << 40)
     if mechanism == "uva-torch":
         monkeypatch.setattr(pcie, "triton", None)
     device = DeviceKVPool(256, 3, num_heads=2, head_dim=8, device="cuda", dtype=torch.bfloat16)
     device.kv.copy_(torch.randn_like(device.kv))
-    host = HostKVPool(512, device, layout)
+    host = HostKVPool(512, device, layout, dma_chunk_bytes=3 * device.bytes_per_token)
     engine = CudaCopyEngine(0.0, seed=0, rank=0)
     pages = torch.randperm(32, generator=torch.Generator().manual_seed(0))
     src = (pages[:10, None] * 8 + torch.arange(8)).flatten()
     dst = (pages[10:20, None] * 16 + torch.arange(8)).flatten()
     back = (pages[20:30, None] * 8 + torch.arange(8)).flatten()
-    assert pcie.uses_dma(layout, device.bytes_per_token, dst, src) == (dma and layout == "page_first")
+    assert (pcie.dma_runs(layout, device.bytes_per_token, dst, src) is not None) == (dma and layout == "page_first")
     engine.submit("write", CopyJob(host.copy_layers(True, device, dst, src), lambda: None)).synchronize()
     engine.submit("load", CopyJob(host.copy_layers(False, device, dst, back), lambda: None)).synchronize()
     assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])
