@@ -91,7 +91,8 @@ def main() -> None:
             dev_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
             host_idx = scattered_slots(args.tokens, page_size, pool_tokens, gen)
             uva = "uva-triton" if pcie.triton is not None else "uva-torch"
-            mechanism = "dma" if pcie.uses_dma(layout, device.bytes_per_token, host_idx, dev_idx) else uva
+            dma = pcie.dma_runs(layout, device.bytes_per_token, host_idx, dev_idx) is not None
+            mechanism = "dma" if dma else uva
             for direction, stream, to_host in (("backup", "write", True), ("load", "load", False)):
                 copy = partial(engine_copy, engine, stream, to_host, host, device, host_idx, dev_idx)
                 row = {"layout": layout, "page_size": page_size, "mechanism": mechanism, "direction": direction}

@@ -24,10 +24,10 @@ def same_key(key: Key) -> Key:
 class LabTree:
     """The lab's `RadixTree` driven directly, not through `RadixCache`: this benchmark measures the bare tree.
 
-    `RadixCache.evict` runs the loop below and also frees each evicted leaf's slots into its `PageAllocator`, a
-    Python loop over pages (over every token at page size 1) that neither the naive dict nor SGLang's counting
-    sink pays, and that allocator would have to own the key stream's slots. So `evict` is `RadixCache.evict`
-    without the free: the same `evict_lru` over the tree's evictable leaves, each leaving the tree.
+    `RadixCache.evict` runs the loop below and also frees each evicted leaf's slots into its `PageAllocator`,
+    which neither the naive dict nor SGLang's counting sink pays, and that allocator would have to own the key
+    stream's slots. So `evict` is `RadixCache.evict` without the free: the same `evict_lru` over the tree's
+    evictable leaves, each leaving the tree.
     """
 
     name = "lab"
@@ -50,7 +50,7 @@ class LabTree:
 
     def _drop(self, node: TreeNode) -> int:
         self.tree.delete_leaf(node)
-        return len(node.value)
+        return len(node.key)  # a slot per token
 
 
 class NaivePrefixDict:

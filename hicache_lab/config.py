@@ -22,6 +22,9 @@ STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DTYPES = ("float32", "bfloat16")  # of the weights, activations and every KV pool (SGLang serves bf16)
 DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
+# A DMA staging chunk (mem_cache/staging_ring.py): K and V of several runs of 4 MiB or more, so that few runs are
+# cut in two; each rank keeps 4 chunks per direction on the device (256 MiB in all).
+DMA_CHUNK_MIB = 32
 
 
 @dataclass(slots=True)
@@ -75,6 +78,7 @@ class CacheConfig:
     injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
     copy_checksum: bool = False  # every host copy's destination is checked against its source's sha256 when consumed
+    dma_chunk_mib: int = DMA_CHUNK_MIB  # CUDA, page_first: a chunk of the rings a DMA copy stages through
     storage_backend: str = "none"  # L3
     storage_writers: str = "every-rank"  # every-rank: each rank its own copy; one: CP rank 0 writes for its CP group
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run
@@ -110,6 +114,7 @@ class CacheConfig:
         require_choice(self.latency, LATENCY_MODELS, "--latency")
         require(self.max_copy_delay_steps >= 0, "--max-copy-delay-steps must be >= 0")
         require(self.injected_delay_ms >= 0, "--injected-delay-ms must be >= 0")
+        require(self.dma_chunk_mib >= 1, "--hicache-dma-chunk-mib must be at least 1 (MiB)")
         require(self.hicache_size_gb >= 0, "--hicache-size must be >= 0 (GB; 0 means: use --hicache-ratio)")
         require_choice(self.storage_backend, STORAGE_BACKENDS, "--hicache-storage-backend")
         require_choice(self.storage_writers, STORAGE_WRITERS, "--hicache-storage-writers")

@@ -17,10 +17,11 @@ from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
 from ..mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
 from ..mem_cache.mooncake_store import mooncake_missing
+from ..mem_cache.staging_ring import ring_bytes
 from .args import FIELD_FLAGS
 
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
-PAGE_BOOKKEEPING_BYTES = 48  # a pool's allocator per page: a deque entry, its int, a list entry
+PAGE_BOOKKEEPING_BYTES = 25  # a pool's allocator per page (PageAllocator): 3 int64 arrays and a bool one
 
 
 def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
@@ -74,6 +75,8 @@ IDLE_UNLESS = (  # (fields, whether they can act, what they need)
     (("cache.storage_dir",), lambda c: c.cache.storage_backend == "file", "--hicache-storage-backend file"),
     (("cache.mooncake_master", "cache.mooncake_metadata_url"), lambda c: c.cache.storage_backend == "mooncake",
      "--hicache-storage-backend mooncake"),
+    (("cache.dma_chunk_mib",), lambda c: uses_staging_rings(c),
+     "--device cuda, --enable-hierarchical-cache and --hicache-mem-layout page_first"),
     (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "--trace-file"),
     (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "--pp 2 or more"),
     (("parallel.consensus_check",), lambda c: c.parallel.world_size > 1, "two ranks or more"),
@@ -92,6 +95,12 @@ def idle_flags(cfg: RunConfig) -> list[str]:
     return idle
 
 
+def uses_staging_rings(cfg: RunConfig) -> bool:
+    """Whether a rank's host pool may copy by DMA, staging through its two rings on the GPU (staging_ring.py)."""
+    c = cfg.cache
+    return cfg.parallel.device == "cuda" and c.enable_hierarchical_cache and c.host_layout == "page_first"
+
+
 def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}.
     Enough to refuse at start a world this machine cannot hold (entrypoints/launch.preflight); not a budget."""
@@ -99,7 +108,11 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
     layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
     dtype = torch_dtype(m.dtype)  # of the weights and the KV; lm_head and logits stay fp32 (model.py)
-    kv = kv_bytes_per_token(layers, heads, m.head_dim, dtype) + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token
+    kv_only = kv_bytes_per_token(layers, heads, m.head_dim, dtype)
+    kv = kv_only + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token
+    staging = (
+        2 * ring_bytes(c.dma_chunk_mib << 20, kv_only, c.max_total_tokens) if uses_staging_rings(cfg) else 0
+    )  # one ring a way
     host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
     host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
     d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
@@ -116,6 +129,7 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     return {
         "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens", True),
         "host KV pools": (ranks * host, host_flag, False),
+        "DMA staging rings": (ranks * staging, "--hicache-dma-chunk-mib", True),
         "model weights": (weights, "--vocab-size, --hidden-size, --mlp-size, --num-layers", True),
         "logits of every output": (logits, f"--vocab-size, --output-length, {requests_flag}", False),
         "attention of one prefill": (ranks * 3 * heads * chunk * longest * 4, "--chunked-prefill-size", True),

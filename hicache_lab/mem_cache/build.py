@@ -66,7 +66,7 @@ def build_cache(
             cfg.latency, kv.device, cfg.max_copy_delay_steps, cfg.injected_delay_ms, seed=seed, rank=rank
         )
     host_tokens = sync.agree_host_capacity(cfg.host_tokens(pool.bytes_per_token))
-    host_pool = HostKVPool(host_tokens, pool, cfg.host_layout)
+    host_pool = HostKVPool(host_tokens, pool, cfg.host_layout, cfg.dma_chunk_mib << 20)
     host_alloc = PageAllocator(host_tokens, cfg.page_size, "host pool")
     controller = HiCacheController(
         pool, device_alloc, host_pool, host_alloc, engine, check_copies=check_copies, copy_checksum=cfg.copy_checksum

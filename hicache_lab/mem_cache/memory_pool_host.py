@@ -10,8 +10,10 @@ from functools import partial
 
 import torch
 
+from ..config import DMA_CHUNK_MIB
 from . import pcie
 from .memory_pool import POISON, DeviceKVPool
+from .staging_ring import CudaStreams, StagingRing
 
 
 def _nothing() -> None:
@@ -35,7 +37,7 @@ class _SlotIndices:
 
 
 class HostKVPool:
-    def __init__(self, size: int, device_pool: DeviceKVPool, layout: str):
+    def __init__(self, size: int, device_pool: DeviceKVPool, layout: str, dma_chunk_bytes: int = DMA_CHUNK_MIB << 20):
         first = device_pool.k[0]
         n, h, d = device_pool.num_layers, first.shape[1], first.shape[2]
         shape = (2, n, size, h, d) if layout == "layer_first" else (2, size, n, h, d)
@@ -46,8 +48,14 @@ class HostKVPool:
         self.bytes_per_token = device_pool.bytes_per_token
         # what copy kernels address: on a GPU, the same pinned bytes through their device address (UVA)
         self._kv_for_kernels = pcie.device_alias(self.kv) if on_gpu else self.kv
-        # a DMA's gathers or scatters, one stream per direction: a load never waits behind a backup's work
-        self._helpers = {d: torch.cuda.Stream(device_pool.device) for d in (True, False)} if on_gpu else None
+        # where a DMA stages, with its gathers or scatters on a helper stream: one ring per direction (to_host or
+        # not), so a load never waits behind a backup's work
+        self._rings = None
+        if on_gpu:
+            streams = {d: CudaStreams(torch.cuda.Stream(device_pool.device)) for d in (True, False)}
+            self._rings = {
+                d: StagingRing(dma_chunk_bytes, self.bytes_per_token, device_pool.size, s) for d, s in streams.items()
+            }
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(self._layer(self.kv, layer))
@@ -72,13 +80,15 @@ class HostKVPool:
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
         On a GPU a backup moves every layer in the first callable (nothing waits for its layers one by one),
-        by DMA where `pcie.uses_dma` says so (then a load does too), else by one kernel; the others do nothing."""
+        by DMA where `pcie.dma_runs` says so (then a load does too), else by one kernel; the others do nothing."""
         on_gpu = device.device.type == "cuda"
-        if on_gpu and pcie.uses_dma(self.layout, self.bytes_per_token, host_idx, device_idx):
-            move = pcie.dma_to_host if to_host else pcie.dma_to_device
+        cut = pcie.dma_runs(self.layout, self.bytes_per_token, host_idx, device_idx) if on_gpu else None
+        if cut is not None:
+            ring = self._rings[to_host]
+            move = ring.to_host if to_host else ring.to_device
 
-            def whole() -> None:  # the runs are cut on the CPU: no index goes to the device
-                move(self.kv, device.kv, host_idx, device_idx, self._helpers[to_host])
+            def whole() -> None:  # the runs were cut on the CPU, once: no index goes to the device
+                move(self.kv, device.kv, cut)
 
             return [whole] + [_nothing] * (self.num_layers - 1)
 

@@ -3,12 +3,13 @@
 Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures both against a plain `copy_`):
 
 * **DMA of slot runs** (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a host page
-  are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The device side of a run
-  is gathered into the host layout (or scattered from it) on a helper stream by a strided copy, so the gather
-  of run r+1 overlaps the DMA of run r. The DMAs go straight to the CUDA runtime (`cudaMemcpyAsync` through
-  ctypes): less CPU time per call than `copy_` (measured on an H200: about 14 against 17 µs), which matters
-  because the scheduler's thread issues them. Where that library is not loaded, UVA does the copy. The whole
-  job is one step: it gives up layer-by-layer overlap for bandwidth.
+  are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The runs are cut once per
+  copy, by one vector operation (`dma_runs`). The device side of a run is gathered into the host layout (or
+  scattered from it) on a helper stream by a strided copy, through a bounded ring of staging chunks
+  (staging_ring.py), so the gather of one chunk overlaps the DMA of the one before. The DMAs go straight to the
+  CUDA runtime (`cudaMemcpyAsync` through ctypes): less CPU time per call than `copy_` (measured on an H200:
+  about 14 against 17 µs), which matters because the scheduler's thread issues them. Where that library is not
+  loaded, UVA does the copy. The whole job is one step: it gives up layer-by-layer overlap for bandwidth.
 * **GPU loads and stores through UVA** (everything else): pinned host memory has a device address, so a
   kernel reads or writes the host pool directly, one launch per layer for a load (so that a prefill can wait
   for its layers one by one) and one for every layer of a backup, whatever the page size or layout
@@ -66,21 +67,23 @@ def device_alias(host: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(_CudaArray(host.view(as_int), typestr), device="cuda").view(host.dtype)
 
 
-def uses_dma(layout: str, bytes_per_token: int, host_idx: torch.Tensor, device_idx: torch.Tensor) -> bool:
-    """True when a copy between these slots is best done as DMA of slot runs (see the module docstring): their
-    runs contiguous on both sides are, on average, `DMA_MIN_RUN_BYTES` or longer for K (or V) alone."""
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]  # host starts, device starts, lengths of slot runs
+
+
+def runs(host_idx: torch.Tensor, device_idx: torch.Tensor) -> Runs:
+    """The runs of a (non-empty) index pair that are contiguous on both sides, cut by one vector operation."""
+    host, device = host_idx.numpy(), device_idx.numpy()  # numpy: a tenth of torch's per-call overhead here
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(host) != 1) | (np.diff(device) != 1)) + 1))
+    return host[starts], device[starts], np.diff(starts, append=len(host))
+
+
+def dma_runs(layout: str, bytes_per_token: int, host_idx: torch.Tensor, device_idx: torch.Tensor) -> Runs | None:
+    """The runs of a copy between these slots when it is best done by DMA (see the module docstring): their runs
+    contiguous on both sides are, on average, `DMA_MIN_RUN_BYTES` or longer for K (or V) alone. Else None."""
     if layout != "page_first" or len(host_idx) == 0 or _cuda_runtime() is None:
-        return False
-    return len(host_idx) * bytes_per_token / (2 * len(runs(host_idx, device_idx))) >= DMA_MIN_RUN_BYTES
-
-
-def runs(dst_idx: torch.Tensor, src_idx: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Split an index pair into (dst_start, src_start, length) runs that are contiguous on both sides."""
-    dst, src = dst_idx.numpy(), src_idx.numpy()  # numpy: a tenth of torch's per-call overhead at these sizes
-    starts = np.flatnonzero((np.diff(dst) != 1) | (np.diff(src) != 1)) + 1
-    starts = np.concatenate(([0], starts))
-    lengths = np.diff(np.concatenate((starts, [len(dst)])))
-    return list(zip(dst[starts].tolist(), src[starts].tolist(), lengths.tolist(), strict=True))
+        return None
+    cut = runs(host_idx, device_idx)
+    return cut if len(host_idx) * bytes_per_token / (2 * len(cut[2])) >= DMA_MIN_RUN_BYTES else None
 
 
 @cache
@@ -105,7 +108,7 @@ def _cuda_runtime() -> ctypes.CDLL | None:
     return runtime
 
 
-def _dma(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+def dma(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
     """dst <- src (contiguous, one on the device and one in pinned host memory) by DMA on `stream`."""
     nbytes = src.numel() * src.element_size()
     err = _cuda_runtime().cudaMemcpyAsync(
@@ -113,45 +116,6 @@ def _dma(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> Non
     )
     if err:
         raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed with CUDA error {err}")
-
-
-def _staging(host_kv: torch.Tensor, device_kv: torch.Tensor, tokens: int) -> torch.Tensor:
-    """A device buffer of `tokens` slots in the host layout, [2, tokens, layers, heads, head_dim]."""
-    return torch.empty((2, tokens, *host_kv.shape[2:]), dtype=host_kv.dtype, device=device_kv.device)
-
-
-def dma_to_host(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device_idx, helper) -> None:
-    """host_kv [2, tokens, layers, ...] (page_first) <- device_kv [2, layers, tokens, ...] by DMA, a run of slots
-    contiguous on both sides at a time: gathered into the host layout on the helper stream (a strided copy,
-    no index), then K and V by one DMA each. Indices come on the CPU."""
-    copy = torch.cuda.current_stream()
-    by_token = device_kv.transpose(1, 2)  # [2, tokens, layers, heads, head_dim], like the host pool
-    staged = _staging(host_kv, device_kv, len(host_idx))  # on the copy stream, which is the last to use it
-    helper.wait_stream(copy)  # the KV being backed up is ready on the copy stream
-    offset = 0
-    for h, d, n in runs(host_idx, device_idx):
-        with torch.cuda.stream(helper):
-            staged[:, offset : offset + n].copy_(by_token[:, d : d + n])
-        copy.wait_stream(helper)
-        for kind in (0, 1):
-            _dma(host_kv[kind, h : h + n], staged[kind, offset : offset + n], copy)
-        offset += n
-
-
-def dma_to_device(host_kv: torch.Tensor, device_kv: torch.Tensor, host_idx, device_idx, helper) -> None:
-    """The reverse of `dma_to_host`: runs by DMA into HBM, each scattered into the pool on the helper stream."""
-    copy = torch.cuda.current_stream()
-    by_token = device_kv.transpose(1, 2)
-    staged = _staging(host_kv, device_kv, len(host_idx))
-    offset = 0
-    for d, h, n in runs(device_idx, host_idx):
-        for kind in (0, 1):
-            _dma(staged[kind, offset : offset + n], host_kv[kind, h : h + n], copy)
-        helper.wait_stream(copy)
-        with torch.cuda.stream(helper):
-            by_token[:, d : d + n].copy_(staged[:, offset : offset + n])
-        offset += n
-    copy.wait_stream(helper)  # staged, allocated on the copy stream, is free to reuse once the scatters are done
 
 
 if triton is not None:

@@ -86,7 +86,7 @@ class RadixCache(BasePrefixCache):
 
     def _evict_leaf(self, node: TreeNode) -> int:
         """Free a device leaf's slots; here it leaves the tree. Returns the slots freed."""
-        freed = len(node.value)
+        freed = len(node.key)  # a slot per token
         self.device_alloc.free(node.value)
         self.tree.delete_leaf(node)
         return freed

@@ -29,29 +29,33 @@ class EvictableIndex:
     def set_device(self, node: TreeNode, value: torch.Tensor | None) -> None:
         """Give `node` a device copy (`value`, slots) or take it away (None): a load back, an adoption at
         insert, an eviction that leaves the node host-only."""
-        if node.lock_ref == 0:
-            self._evictable_tokens += (0 if value is None else len(value)) - (
-                0 if node.value is None else len(node.value)
-            )
+        if node.lock_ref == 0:  # a tier holds a slot per token of the node's key
+            self._evictable_tokens += len(node.key) * ((value is not None) - (node.value is not None))
         node.value = value
         self._update_leaf(node)
         self._update_leaf(node.parent)
 
     def delete_leaf(self, node: TreeNode) -> None:
-        assert not node.children and node is not self.root and node.lock_ref == 0, "only an unlocked leaf goes"
-        del node.parent.children[node.key[: self.page_size]]
+        parent = node.parent
+        assert not node.children and parent is not None and node.lock_ref == 0, "only an unlocked leaf goes"
+        del parent.children[node.key[: self.page_size]]
         self.host_duplicates.pop(node.id, None)
-        self.evictable_leaves.discard(node)
-        self.evictable_host_leaves.discard(node)
-        if node.value is not None and node.lock_ref == 0:
-            self._evictable_tokens -= len(node.value)
-        self._update_leaf(node.parent)
+        if node.value is None:
+            self.evictable_host_leaves.discard(node)
+        else:  # unlocked: its tokens were evictable
+            self.evictable_leaves.discard(node)
+            self._evictable_tokens -= len(node.key)
+        if parent is not self.root:
+            self._classify(parent)  # in the tree: its child was
 
     def _update_leaf(self, node: TreeNode) -> None:
         """Put `node` in or out of the evictable leaf sets, from its own state and its children's. A node no
         longer in the tree (a release of host protection may reach one that was deleted) joins neither."""
-        if node is self.root or node.parent.children.get(node.key[: self.page_size]) is not node:
-            return
+        if node is not self.root and node.parent.children.get(node.key[: self.page_size]) is node:
+            self._classify(node)
+
+    def _classify(self, node: TreeNode) -> None:
+        """`_update_leaf` for a node known to be in the tree, and not the root."""
         if node.value is None:
             self.evictable_leaves.discard(node)
             if node.host_ref == 0 and not node.children:
@@ -60,7 +64,7 @@ class EvictableIndex:
                 self.evictable_host_leaves.discard(node)
         else:
             self.evictable_host_leaves.discard(node)
-            if node.lock_ref == 0 and all(c.value is None for c in node.children.values()):
+            if node.lock_ref == 0 and (not node.children or all(c.value is None for c in node.children.values())):
                 self.evictable_leaves.add(node)
             else:
                 self.evictable_leaves.discard(node)
@@ -71,7 +75,7 @@ class EvictableIndex:
         while node is not self.root:
             if node.lock_ref == 0:
                 if node.value is not None:
-                    self._evictable_tokens -= len(node.value)
+                    self._evictable_tokens -= len(node.key)
                 self.evictable_leaves.discard(node)
             node.lock_ref += 1
             node = node.parent
@@ -82,7 +86,7 @@ class EvictableIndex:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 if node.value is not None:
-                    self._evictable_tokens += len(node.value)
+                    self._evictable_tokens += len(node.key)
                 self._update_leaf(node)
             node = node.parent
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,26 +30,26 @@ from .tree_node import TreeNode
 from .utils import Key, page_floor, page_hashes
 
 
-def lru_order(node: TreeNode) -> tuple[int, int]:
-    """Eviction order: least recently used first, then the oldest node (ids are unique: no two nodes tie)."""
-    return node.last_access, node.id
+def lru_order(nodes: Iterable[TreeNode]) -> list[tuple[int, int, TreeNode]]:
+    """Heap entries of `nodes` in eviction order: least recently used first, then the oldest node. Ids are unique,
+    so no two entries tie and nodes are never compared: the entries compare as tuples of ints, in C."""
+    return [(n.last_access, n.id, n) for n in nodes]
 
 
 def evict_lru(leaves: set[TreeNode], num_tokens: int, evict_leaf: Callable[[TreeNode], int]) -> int:
     """Evict least recently used nodes of `leaves` (one of the leaf sets a `RadixTree` keeps) with `evict_leaf`
     (which returns the tokens it freed) until `num_tokens` are freed; a parent the eviction made a leaf joins.
     An entry that left the set meanwhile is skipped."""
-    heap = [(lru_order(n), n) for n in leaves]  # the keys are tuples of ints: compared in C
+    heap, pop, freed = lru_order(leaves), heapq.heappop, 0
     heapq.heapify(heap)
-    freed = 0
     while freed < num_tokens and heap:
-        node = heapq.heappop(heap)[1]
+        node = pop(heap)[2]
         if node not in leaves:
             continue
         parent = node.parent
         freed += evict_leaf(node)
         if parent in leaves:
-            heapq.heappush(heap, (lru_order(parent), parent))
+            heapq.heappush(heap, *lru_order((parent,)))
     return freed
 
 
@@ -100,12 +100,17 @@ class RadixTree(EvictableIndex):
         return node
 
     def _add_leaf(self, parent: TreeNode, key: Key, value: torch.Tensor | None) -> TreeNode:
+        """A new leaf under `parent`, on the device (`value`) or host-only (None: the caller sets its host copy), in
+        its tier's evictable leaves; `parent` leaves the host leaves, and the device's if the leaf is on it."""
         leaf = self._new_node(parent, key, value)
         parent.children[key[: self.page_size]] = leaf
-        if value is not None:
+        self.evictable_host_leaves.discard(parent)
+        if value is None:
+            self.evictable_host_leaves.add(leaf)
+        else:
             self._evictable_tokens += len(key)
-        self._update_leaf(leaf)
-        self._update_leaf(parent)
+            self.evictable_leaves.add(leaf)
+            self.evictable_leaves.discard(parent)
         return leaf
 
     def _match_len(self, a: Key, key: Key, offset: int) -> int:
@@ -166,30 +171,34 @@ class RadixTree(EvictableIndex):
         """The nodes down `key`'s path from `node` (touched; the node a match ends inside is split) and the
         tokens of `key` they hold."""
         ps, children = self.page_size, node.children
-        self.clock += 1
-        node.last_access = self.clock
+        clock = self.clock + 1
+        node.last_access = clock
         path, done, end = [], 0, len(key)
         while done < end:
             child = children.get(key[done : done + ps])
             if child is None:
                 break
-            self.clock += 1
-            child.last_access = self.clock
-            n = self._match_len(child.key, key, done)
-            if n < len(child.key):
+            clock += 1
+            child.last_access = clock
+            n = len(child.key)
+            if key[done : done + n] != child.key:  # the key ends or differs inside the child: split it there
+                n = self._match_len(child.key, key, done)
                 child = self._split(child, n)
             path.append(child)
             done += n
             children = child.children
+        self.clock = clock
         return path, done
 
     def match_prefix(self, key: Key) -> MatchResult:
         """Longest page-aligned match of `key`."""
         path, _ = self._walk(key[: page_floor(len(key), self.page_size)], self.root)
-        node = path[-1] if path else self.root
-        last_host_node, host_hit = node, 0
+        if not path:  # a miss: nothing more to look at
+            return MatchResult(self.root.value, self.root, self.root, 0)
+        node = last_host_node = path[-1]
+        host_hit = 0
         while node.value is None:
-            host_hit += len(node.host_value)
+            host_hit += len(node.key)  # a slot per token
             node = node.parent
         values = [n.value for n in path if n.value is not None]
         indices = values[0] if len(values) == 1 else torch.cat(values) if values else self.root.value
@@ -201,19 +210,21 @@ class RadixTree(EvictableIndex):
         An evicted node on the path adopts the caller's slots (its host copy stays); those tokens are not
         counted in `prefix_len`, so the caller keeps them allocated.
         """
-        assert len(key) % self.page_size == 0 and len(key) == len(value), "insert takes whole pages, a slot each"
+        end = len(key)
+        assert end % self.page_size == 0 and end == value.shape[0], "insert takes whole pages, a slot each"
         touched, done = self._walk(key, self.root)
         prefix_len, start = 0, 0
         for node in touched:
             n = len(node.key)
             if node.value is None:
-                self.set_device(node, value[start : start + n].clone())
+                self.set_device(node, value.narrow_copy(0, start, n))  # a copy of its own (one op, not a slice's two)
                 self.track_duplicate(node)
             else:
                 prefix_len += n
             start += n
-        if done < len(key):
-            touched.append(self._add_leaf(touched[-1] if touched else self.root, key[done:], value[done:].clone()))
+        if done < end:
+            parent = touched[-1] if touched else self.root
+            touched.append(self._add_leaf(parent, key[done:], value.narrow_copy(0, done, end - done)))
         return InsertResult(prefix_len, touched, done)
 
     def insert_host(self, anchor: TreeNode, key: Key, host_value: torch.Tensor) -> torch.Tensor:
@@ -223,7 +234,7 @@ class RadixTree(EvictableIndex):
         path, done = self._walk(key, anchor)
         if done < len(key):
             leaf = self._add_leaf(path[-1] if path else anchor, key[done:], None)
-            leaf.host_value = host_value[done:].clone()
+            leaf.host_value = host_value.narrow_copy(0, done, len(key) - done)
         return torch.arange(done, len(key))
 
     # -- queries -----------------------------------------------------------------------------------

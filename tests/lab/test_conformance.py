@@ -106,8 +106,8 @@ def test_seeded_sequences_answer_as_sglang_does(groups, tmp_path):
     assert seeded_differences(groups, tmp_path) == []
 
 
-def _evict_oldest_first(node) -> tuple[int, int]:  # radix_tree.lru_order with its key's two fields swapped
-    return node.id, node.last_access
+def _evict_oldest_first(nodes) -> list:  # radix_tree.lru_order with its entries' two keys swapped
+    return [(n.id, n.last_access, n) for n in nodes]
 
 
 def _pop_acks_newest_first(self, queue, what, count):  # HiCacheController.pop_acks with queue.pop() for pop(0)

@@ -34,6 +34,30 @@ def test_allocator_hands_out_whole_pages_and_reports_exhaustion():
         alloc.free(slots[:4])
 
 
+def test_allocator_hands_out_the_longest_free_pages_first_in_the_order_freed():
+    """First in, first out, through the ring's wrap: the order every rank's identical frees must reproduce."""
+    alloc = PageAllocator(12, page_size=2, name="device pool")  # pages 0-5
+    a, b, c = alloc.alloc(4), alloc.alloc(2), alloc.alloc(4)  # pages 0 1 | 2 | 3 4
+    alloc.free(torch.cat([c[2:], a]))  # queued behind page 5, in the order given: 4, 0, 1
+    alloc.free(b)  # then 2
+    assert alloc.alloc(8).tolist() == [10, 11, 8, 9, 0, 1, 2, 3]  # pages 5, 4, 0, 1
+    assert alloc.alloc(2).tolist() == [4, 5]  # page 2
+    assert alloc.alloc(1) is None  # page 3 is still c's
+    alloc.free(c[:2])
+    assert alloc.alloc(1).tolist() == [6, 7]
+    assert alloc.available_size() == 0
+
+
+def test_allocator_refuses_a_page_listed_twice_in_one_free_and_changes_nothing():
+    alloc = PageAllocator(16, page_size=4, name="host pool")
+    slots = alloc.alloc(16)
+    with pytest.raises(AssertionError, match="host pool: page 2 freed twice"):
+        alloc.free(torch.cat([slots[8:12], slots[12:16], slots[8:12]]))
+    assert alloc.available_size() == 0
+    alloc.free(slots[8:])
+    assert alloc.alloc(8).tolist() == list(range(8, 16))
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_host_round_trip_is_exact_in_both_layouts(layout):
     device = filled_device_pool()
@@ -50,21 +74,22 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
 def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
-    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`),
-    scattered pages."""
+    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`, through
+    staging rings of 4 chunks of 3 tokens, so that each copy of 80 tokens goes round its ring 7 times, each chunk
+    waiting for its slot's last reader), scattered pages."""
     dma = mechanism == "dma"
     monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1 if dma else 1 << 40)
     if mechanism == "uva-torch":
         monkeypatch.setattr(pcie, "triton", None)
     device = DeviceKVPool(256, 3, num_heads=2, head_dim=8, device="cuda", dtype=torch.bfloat16)
     device.kv.copy_(torch.randn_like(device.kv))
-    host = HostKVPool(512, device, layout)
+    host = HostKVPool(512, device, layout, dma_chunk_bytes=3 * device.bytes_per_token)
     engine = CudaCopyEngine(0.0, seed=0, rank=0)
     pages = torch.randperm(32, generator=torch.Generator().manual_seed(0))
     src = (pages[:10, None] * 8 + torch.arange(8)).flatten()
     dst = (pages[10:20, None] * 16 + torch.arange(8)).flatten()
     back = (pages[20:30, None] * 8 + torch.arange(8)).flatten()
-    assert pcie.uses_dma(layout, device.bytes_per_token, dst, src) == (dma and layout == "page_first")
+    assert (pcie.dma_runs(layout, device.bytes_per_token, dst, src) is not None) == (dma and layout == "page_first")
     engine.submit("write", CopyJob(host.copy_layers(True, device, dst, src), lambda: None)).synchronize()
     engine.submit("load", CopyJob(host.copy_layers(False, device, dst, back), lambda: None)).synchronize()
     assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])
