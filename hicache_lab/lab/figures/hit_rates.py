@@ -184,7 +184,8 @@ def plot_prefetch_rate_limit(runs: dict[str, tuple[dict, dict]], path: Path) -> 
     left.xaxis.set_major_locator(MaxNLocator(integer=True))
     left.set_ylabel("share of the round's prompt tokens (%)")
     left.legend(fontsize=8, loc="upper left")
-    middle.set_title("prefetches issued, what became of them,\nand those the rate limit held back (whole run)", fontsize=9)
+    held_back = "prefetches issued, what became of them,\nand those the rate limit held back (whole run)"
+    middle.set_title(held_back, fontsize=9)
     middle.set_xticks(range(len(PREFETCH_COUNTERS)), [name for _, name in PREFETCH_COUNTERS], fontsize=7)
     middle.set_ylabel("prefetches")
     right.set_title("tokens read from storage,\nand used by a request", fontsize=9)
