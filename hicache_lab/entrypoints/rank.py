@@ -37,7 +37,15 @@ from .outdir import cannot_write, open_run_file, write_file
 from .report import round_rows, scheduling_counts, write_requests
 
 # what a rank sees when a peer fails it: a collective or the store waiting for one that never came, a connection lost
-PEER_LOST = ("Timed out", "wait timeout", "Connection reset by peer", "Connection closed by peer", "Broken pipe")
+# or never made (gloo's connectFullMesh, when a group is created, with a peer that does not answer)
+PEER_LOST = (
+    "Timed out",
+    "wait timeout",
+    "Connect timeout",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+)
 
 
 @dataclass

@@ -113,6 +113,20 @@ def test_a_rank_that_timed_out_waiting_is_a_symptom_and_the_stuck_peer_is_named(
     ), "a rank that raised is the cause even when a peer timed out before it"
 
 
+def test_a_group_that_could_not_connect_to_a_stopped_peer_is_a_symptom_too(tmp_path):
+    """SIGSTOP on rank 1 before it joins: on a loaded machine rank 0's gloo gives up connecting to it (when a group
+    is created) before the launcher notices; that rank only waited, and the stopped one is named."""
+    from hicache_lab.entrypoints.rank import record_crash
+
+    result = {"rank": 0}
+    gloo = "Gloo connectFullMesh failed with [../gloo/transport/tcp/pair.h:311] Connect timeout [none]"
+    record_crash(result, RuntimeError(gloo), 5.0, tmp_path)
+    assert result["waited"] and result["crashed"]
+    stuck = "its process was stopped by a signal (state T) when the launcher stopped it"
+    error, failing = blame([result], [1], WorldEnd("run", stopped={1: stuck}), elapsed_s=30.0)
+    assert (failing, error) == (1, f"rank 1 never reported: {stuck}")
+
+
 @pytest.mark.spawns
 def test_a_signal_that_finds_the_main_thread_blocked_in_cpp_still_ends_the_process_with_its_files():
     """A Python handler waits while the main thread is blocked in C++ (as in a gloo collective whose peer is

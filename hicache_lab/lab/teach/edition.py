@@ -43,7 +43,9 @@ def make_edition(out: Path) -> list[str]:
         raise ConfigError(f"git archive failed: {archive.stderr.decode(errors='replace').strip()}")
     out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(out, filter="data")
+        # git's own archive of this repository: members are plain files and folders below `out` (Python before
+        # 3.11.4 has no extraction filter)
+        tar.extractall(out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         return [m.name for m in tar.getmembers() if m.isfile()]
 
 
