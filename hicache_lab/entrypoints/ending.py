@@ -145,6 +145,17 @@ def process_state(pid: int) -> str:
     return f"{STATES.get(state, 'in state ' + state)} (state {state}{waits})"
 
 
+_ENTERED: list[SignalGuard] = []  # the guards entered in this process (one, in the main thread)
+
+
+def _after_fork_in_child() -> None:
+    while _ENTERED:
+        _ENTERED.pop().forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class SignalGuard:
     """SIGINT, SIGTERM and SIGHUP, for as long as it is entered (in the main thread; elsewhere it does nothing).
 
@@ -180,17 +191,28 @@ class SignalGuard:
         self._saved = {"handlers": handlers, "fd": signal.set_wakeup_fd(write), "pipe": (read, write)}
         self._watcher = threading.Thread(target=self._watch, args=(read,), daemon=True)
         self._watcher.start()
+        _ENTERED.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         if self._saved is None:
             return
+        _ENTERED.remove(self)
         signal.set_wakeup_fd(self._saved["fd"])
         for signum, handler in self._saved["handlers"].items():
             signal.signal(signum, handler)
         self._closed = True
         os.close(self._saved["pipe"][1])  # the watcher reads end-of-file and leaves:
         self._watcher.join(WAIT_S + 1)  # a daemon thread still there at exit dies in pthread_exit, C++ terminate()
+
+    def forget_in_child(self) -> None:
+        """In a child forked while entered (a `--sync-impl` that forks): its signals are its own, and it holds
+        no end of the watcher's pipe, or the watcher would wait for the child's end-of-file too (and, at the
+        parent's exit, die in C++ terminate()), and read the child's signals as the parent's."""
+        signal.set_wakeup_fd(-1)
+        for fd in self._saved["pipe"]:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _handler(self, signum: int, frame) -> None:
         self.taken += 1

@@ -128,6 +128,33 @@ def test_a_group_that_could_not_connect_to_a_stopped_peer_is_a_symptom_too(tmp_p
 
 
 @pytest.mark.spawns
+def test_a_child_forked_under_the_guard_neither_signals_for_the_parent_nor_holds_its_watcher():
+    """A `--sync-impl` that forks: the child's SIGTERM is its own (the parent's watcher must not read it as the
+    parent's and exit 143), and the child, still sleeping, holds no end of the watcher's pipe (the watcher must
+    leave when the guard does, or a daemon thread outlives the run: C++ terminate() at the parent's exit)."""
+    code = (
+        "import os, signal, time\n"
+        "from hicache_lab.entrypoints.ending import SignalGuard\n"
+        "with SignalGuard() as guard:\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"
+        "        try:\n"
+        "            os.kill(os.getpid(), signal.SIGTERM)\n"
+        "            time.sleep(10)\n"
+        "        finally:\n"
+        "            os._exit(0)\n"
+        "    time.sleep(2.5)\n"
+        "    left = time.monotonic()\n"
+        "print('watcher alive:', guard._watcher.is_alive(), 'after', round(time.monotonic() - left, 1), flush=True)\n"
+        "os.kill(child, signal.SIGKILL)\n"
+        "os.waitpid(child, 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-800:]}"
+    assert "watcher alive: False after 0.0" in done.stdout, done.stdout
+
+
+@pytest.mark.spawns
 def test_a_signal_that_finds_the_main_thread_blocked_in_cpp_still_ends_the_process_with_its_files():
     """A Python handler waits while the main thread is blocked in C++ (as in a gloo collective whose peer is
     stuck); the watcher, woken by the same signal, writes what the process owes and exits 128 + signal."""
