@@ -78,7 +78,7 @@ class CacheConfig:
     injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
     skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
     copy_checksum: bool = False  # every host copy's destination is checked against its source's sha256 when consumed
-    dma_chunk_mib: int = DMA_CHUNK_MIB  # CUDA, page_first: a chunk of the rings a DMA copy stages through
+    dma_chunk_mib: int = DMA_CHUNK_MIB  # CUDA, page_first: a chunk of the ring a backup by DMA stages through
     storage_backend: str = "none"  # L3
     storage_writers: str = "every-rank"  # every-rank: each rank its own copy; one: CP rank 0 writes for its CP group
     storage_dir: str = ""  # file backend directory; empty: DIR/storage of the run

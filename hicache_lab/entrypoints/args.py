@@ -79,7 +79,7 @@ FLAGS = [
     ),
     ("--hicache-write-policy", "cache", "write_policy", str, f"one of {', '.join(WRITE_POLICIES)}"),
     ("--hicache-mem-layout", "cache", "host_layout", str, f"host pool layout: {', '.join(HOST_LAYOUTS)}"),
-    ("--hicache-dma-chunk-mib", "cache", "dma_chunk_mib", int, "CUDA: a chunk of the DMA staging rings (4 per way)"),
+    ("--hicache-dma-chunk-mib", "cache", "dma_chunk_mib", int, "CUDA: a chunk of the DMA backups' staging ring (of 4)"),
     (
         "--load-back-threshold",
         "cache",

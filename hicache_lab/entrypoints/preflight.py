@@ -75,7 +75,7 @@ IDLE_UNLESS = (  # (fields, whether they can act, what they need)
     (("cache.storage_dir",), lambda c: c.cache.storage_backend == "file", "--hicache-storage-backend file"),
     (("cache.mooncake_master", "cache.mooncake_metadata_url"), lambda c: c.cache.storage_backend == "mooncake",
      "--hicache-storage-backend mooncake"),
-    (("cache.dma_chunk_mib",), lambda c: uses_staging_rings(c),
+    (("cache.dma_chunk_mib",), lambda c: uses_staging_ring(c),
      "--device cuda, --enable-hierarchical-cache and --hicache-mem-layout page_first"),
     (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "--trace-file"),
     (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "--pp 2 or more"),
@@ -95,8 +95,8 @@ def idle_flags(cfg: RunConfig) -> list[str]:
     return idle
 
 
-def uses_staging_rings(cfg: RunConfig) -> bool:
-    """Whether a rank's host pool may copy by DMA, staging through its two rings on the GPU (staging_ring.py)."""
+def uses_staging_ring(cfg: RunConfig) -> bool:
+    """Whether a rank's host pool may back up by DMA, staging through its ring on the GPU (staging_ring.py)."""
     c = cfg.cache
     return cfg.parallel.device == "cuda" and c.enable_hierarchical_cache and c.host_layout == "page_first"
 
@@ -110,9 +110,7 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     dtype = torch_dtype(m.dtype)  # of the weights and the KV; lm_head and logits stay fp32 (model.py)
     kv_only = kv_bytes_per_token(layers, heads, m.head_dim, dtype)
     kv = kv_only + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token
-    staging = (
-        2 * ring_bytes(c.dma_chunk_mib << 20, kv_only, c.max_total_tokens) if uses_staging_rings(cfg) else 0
-    )  # one ring a way
+    staging = ring_bytes(c.dma_chunk_mib << 20, kv_only, c.max_total_tokens) if uses_staging_ring(cfg) else 0
     host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
     host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
     d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
@@ -129,7 +127,7 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     return {
         "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens", True),
         "host KV pools": (ranks * host, host_flag, False),
-        "DMA staging rings": (ranks * staging, "--hicache-dma-chunk-mib", True),
+        "DMA staging ring": (ranks * staging, "--hicache-dma-chunk-mib", True),
         "model weights": (weights, "--vocab-size, --hidden-size, --mlp-size, --num-layers", True),
         "logits of every output": (logits, f"--vocab-size, --output-length, {requests_flag}", False),
         "attention of one prefill": (ranks * 3 * heads * chunk * longest * 4, "--chunked-prefill-size", True),

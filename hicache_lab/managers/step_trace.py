@@ -37,6 +37,7 @@ class StepRecord:
     host_free: int
     relay_sends: int = 0  # relay send handles this rank still holds (grows without bound when reaped by polling)
     host_write_tokens: int = 0  # device -> host tokens whose write-through started in this step
+    host_load_tokens: int = 0  # host -> device tokens whose load back started in this step
     relay_sent: int = 0  # relay sends this rank issued in this step: with the drain, relay_sends <= relay_sent
     # For the causal chain (lab/teach/chain.py): what the step's acks unlocked and its evictions took, as [node id,
     # tokens] (node ids agree across ranks while their trees do), and each request's cached prefix and new tokens

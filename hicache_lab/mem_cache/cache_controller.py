@@ -62,6 +62,7 @@ class HiCacheController:
         self.copy_check = CopyCheck(enabled=check_copies)
         self.copy_checksum = copy_checksum
         self.write_tokens_started = 0  # device -> host tokens of every write started so far
+        self.load_tokens_started = 0  # host -> device tokens of every load started so far
 
     def _job(self, to_host: bool, host_idx: torch.Tensor, device_idx: torch.Tensor) -> CopyJob:
         """The copy between the pools, layer by layer; until it is done its destination holds poison."""
@@ -100,6 +101,7 @@ class HiCacheController:
         if not self.load_queue:
             return None
         ack = self._submit("load", self.load_queue)
+        self.load_tokens_started += sum(len(d) for _, d, _ in self.load_queue)
         self.load_queue = []
         self.ack_load_queue.append(ack)
         return ack.finish_event

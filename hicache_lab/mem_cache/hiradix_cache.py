@@ -47,7 +47,7 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         self.ongoing_load_back: dict[int, TreeNode] = {}
         self.prefetch_loaded: dict[int, int] = {}
         self.ready = (0, 0)  # this rank's own view: leading (write, load) acks finished at the last check
-        self._observed_writes = 0  # write tokens started as of the last step record
+        self._observed_writes = self._observed_loads = 0  # write and load tokens started as of the last step record
         self._traced_unlocks: list[list[int]] = []  # [node id, tokens] unlocked by consumed acks since then
         self._traced_evictions: list[list[int]] = []  # [node id, tokens] evicted from the device since then
 
@@ -260,11 +260,18 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
         return self.host_alloc.available_size()
 
     def observe(self) -> dict:
-        started = self.controller.write_tokens_started
-        written, self._observed_writes = started - self._observed_writes, started
+        c = self.controller
+        written, self._observed_writes = c.write_tokens_started - self._observed_writes, c.write_tokens_started
+        loaded, self._observed_loads = c.load_tokens_started - self._observed_loads, c.load_tokens_started
         unlocked, evicted = self._traced_unlocks, self._traced_evictions
         self._traced_unlocks, self._traced_evictions = [], []
-        return {**super().observe(), "host_write_tokens": written, "unlocked_nodes": unlocked, "evicted_nodes": evicted}
+        return {
+            **super().observe(),
+            "host_write_tokens": written,
+            "host_load_tokens": loaded,
+            "unlocked_nodes": unlocked,
+            "evicted_nodes": evicted,
+        }
 
     def copy_check(self):
         return self.controller.copy_check

@@ -48,14 +48,24 @@ class HostKVPool:
         self.bytes_per_token = device_pool.bytes_per_token
         # what copy kernels address: on a GPU, the same pinned bytes through their device address (UVA)
         self._kv_for_kernels = pcie.device_alias(self.kv) if on_gpu else self.kv
-        # where a DMA stages, with its gathers or scatters on a helper stream: one ring per direction (to_host or
-        # not), so a load never waits behind a backup's work
-        self._rings = None
+        # where a backup by DMA stages, with its gathers on a helper stream (loads go by kernel: `copy_layers`)
+        self._ring = None
         if on_gpu:
-            streams = {d: CudaStreams(torch.cuda.Stream(device_pool.device)) for d in (True, False)}
-            self._rings = {
-                d: StagingRing(dma_chunk_bytes, self.bytes_per_token, device_pool.size, s) for d, s in streams.items()
-            }
+            helper = CudaStreams(torch.cuda.Stream(device_pool.device))
+            self._ring = StagingRing(dma_chunk_bytes, self.bytes_per_token, device_pool.size, helper)
+            self._compile_copy_kernels(device_pool)
+
+    def _compile_copy_kernels(self, device_pool: DeviceKVPool) -> None:
+        """Launch each copy kernel `copy_layers` may launch (a backup of every layer, a load of one) before
+        anything is cached: it compiles now, not in the middle of the first load (1.7 s on an H200). Triton
+        compiles a variant for counts that are multiples of 16 and one for others: both, each a round trip of the
+        first slots, which leaves the device pool as it was."""
+        for n in (16, 15):
+            if n <= min(self.size, device_pool.size):
+                slots = torch.arange(n, device=device_pool.device)
+                self.copy_layer(True, device_pool, slots, slots, 0, self.num_layers)
+                self.copy_layer(False, device_pool, slots, slots, 0)
+        torch.cuda.synchronize(device_pool.device)
 
     def buffers(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(self._layer(self.kv, layer))
@@ -80,15 +90,15 @@ class HostKVPool:
     def copy_layers(self, to_host: bool, device: DeviceKVPool, host_idx, device_idx) -> list[Callable[[], None]]:
         """One callable per layer, moving that layer's K and V to the host (or back), to run on a copy stream.
         On a GPU a backup moves every layer in the first callable (nothing waits for its layers one by one),
-        by DMA where `pcie.dma_runs` says so (then a load does too), else by one kernel; the others do nothing."""
+        by DMA where `pcie.dma_runs` says so, else by one kernel; the others do nothing. A load moves a layer per
+        callable, by kernel in both layouts, so that layer i's attention waits for layer i alone (SGLang's kernel
+        backend loads `page_first` so too)."""
         on_gpu = device.device.type == "cuda"
-        cut = pcie.dma_runs(self.layout, self.bytes_per_token, host_idx, device_idx) if on_gpu else None
+        cut = pcie.dma_runs(self.layout, self.bytes_per_token, host_idx, device_idx) if on_gpu and to_host else None
         if cut is not None:
-            ring = self._rings[to_host]
-            move = ring.to_host if to_host else ring.to_device
 
             def whole() -> None:  # the runs were cut on the CPU, once: no index goes to the device
-                move(self.kv, device.kv, cut)
+                self._ring.to_host(self.kv, device.kv, cut)
 
             return [whole] + [_nothing] * (self.num_layers - 1)
 

@@ -2,18 +2,20 @@
 
 Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures both against a plain `copy_`):
 
-* **DMA of slot runs** (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a host page
-  are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The runs are cut once per
-  copy, by one vector operation (`dma_runs`). The device side of a run is gathered into the host layout (or
-  scattered from it) on a helper stream by a strided copy, through a bounded ring of staging chunks
-  (staging_ring.py), so the gather of one chunk overlaps the DMA of the one before. The DMAs go straight to the
-  CUDA runtime (`cudaMemcpyAsync` through ctypes): less CPU time per call than `copy_` (measured on an H200:
-  about 14 against 17 µs), which matters because the scheduler's thread issues them. Where that library is not
-  loaded, UVA does the copy. The whole job is one step: it gives up layer-by-layer overlap for bandwidth.
-* **GPU loads and stores through UVA** (everything else): pinned host memory has a device address, so a
-  kernel reads or writes the host pool directly, one launch per layer for a load (so that a prefill can wait
-  for its layers one by one) and one for every layer of a backup, whatever the page size or layout
-  (SGLang's `kernel` I/O backend does the same with its own CUDA kernels). Where Triton is installed (it
+* **DMA of slot runs**, for backups (`page_first` with runs of at least `DMA_MIN_RUN_BYTES`): all layers of a
+  host page are adjacent, so each run of slots contiguous on both sides is one DMA per K and V. The runs are cut
+  once per copy, by one vector operation (`dma_runs`). The device side of a run is gathered into the host layout
+  on a helper stream by a strided copy, through a bounded ring of staging chunks (staging_ring.py), so the gather
+  of one chunk overlaps the DMA of the one before. The DMAs go straight to the CUDA runtime (`cudaMemcpyAsync`
+  through ctypes): less CPU time per call than `copy_` (measured on an H200: about 14 against 17 µs), which
+  matters because the scheduler's thread issues them. Where that library is not loaded, UVA does the copy.
+  Nothing waits for a backup's layers one by one, so the whole job is one step. Loads do not go by DMA: a DMA
+  moves every layer of a token at once, so layer 0's attention would wait for the last layer's bytes (measured
+  on an H200, bench/e2e_ttft.py, fp32: cut/overlap 0.89 by DMA, 0.94 by kernel, layer by layer).
+* **GPU loads and stores through UVA** (every load, and the other backups): pinned host memory has a device
+  address, so a kernel reads or writes the host pool directly, one launch per layer for a load (so that a
+  prefill can wait for its layers one by one) and one for every layer of a backup, whatever the page size or
+  layout (SGLang's `kernel` I/O backend does the same with its own CUDA kernels). Where Triton is installed (it
   comes with CUDA builds of torch) the kernel runs on `COPY_PROGRAMS` thread blocks only, so a prefill can
   compute on the other SMs while its prefix loads layer by layer; each block moves `COPY_TILE` rows at a
   time, which keeps enough reads in flight for loads. Otherwise torch's index kernels do the copy, and they

@@ -1,21 +1,19 @@
-"""The staging ring: how a copy by DMA between the device pool and a `page_first` host pool stays within a fixed
-amount of device memory (pcie.py says which copies go by DMA).
+"""The staging ring: how a backup by DMA from the device pool to a `page_first` host pool stays within a fixed
+amount of device memory (pcie.py says which copies go by DMA: backups only).
 
 A run of slots contiguous on both sides is one DMA for K and one for V, but a DMA moves contiguous bytes, and the
 pools lay a token out differently: the host pool `[2, tokens, layers, heads, head_dim]`, the device pool `[2, layers,
-tokens, ...]`. So the device side of a run passes through staging memory in the host layout: gathered there by a
-strided copy on a helper stream, then moved to the host by DMA (a backup); or moved there by DMA, then scattered into
-the pool (a load). A copy used to stage all its runs at once: 2 GiB of device memory for an 8,192-token fp32 load,
-which preflight did not count.
+tokens, ...]`. So the device side of a run is gathered into staging memory in the host layout by a strided copy on a
+helper stream, then moved to the host by DMA. A copy used to stage all its runs at once: 2 GiB of device memory for
+an 8,192-token fp32 copy, which preflight did not count.
 
-Each direction of a host pool now stages through one `StagingRing`: `STAGING_CHUNKS` chunks of `chunk_tokens` slots
+A host pool now stages through one `StagingRing`: `STAGING_CHUNKS` chunks of `chunk_tokens` slots
 (`--hicache-dma-chunk-mib`, fewer where the device pool is smaller), allocated on first use. A copy of any size
-stages in those `ring_bytes`, and preflight counts two rings per rank (`entrypoints/preflight.memory_needed`).
+stages in those `ring_bytes`, and preflight counts one ring per rank (`entrypoints/preflight.memory_needed`).
 `pieces` lays a copy's runs end to end and cuts them at chunk boundaries, in one vector operation; the copy's k-th
-chunk goes to slot k mod `STAGING_CHUNKS`. Before a slot is written again, the stream that writes it waits for the
-event recorded when the slot was last read (by the DMAs of a backup, by the scatters of a load), in this copy or an
-earlier one. So gathers, DMAs and scatters of consecutive chunks overlap, and no chunk is overwritten before it has
-been read.
+chunk goes to slot k mod `STAGING_CHUNKS`. Before a slot is gathered into again, the helper stream waits for the
+event recorded when the slot's DMAs were issued, in this copy or an earlier one. So gathers and DMAs of consecutive
+chunks overlap, and no chunk is overwritten before it has been read.
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import torch
 
 from . import pcie
 
-STAGING_CHUNKS = 4  # up to 3 chunks are gathered (or scattered) while a fourth crosses PCIe
+STAGING_CHUNKS = 4  # up to 3 chunks are gathered while a fourth crosses PCIe
 
 
 def chunk_tokens(chunk_bytes: int, bytes_per_token: int, pool_tokens: int) -> int:
@@ -55,8 +53,8 @@ def pieces(runs: pcie.Runs, tokens_per_chunk: int) -> tuple[np.ndarray, ...]:
 
 
 class CudaStreams:
-    """How a ring's work is ordered on a GPU: the copy stream (current while a copy job runs), the helper stream
-    of the ring's direction, one event per ring slot, and DMAs by `cudaMemcpyAsync`."""
+    """How a ring's work is ordered on a GPU: the copy stream (current while a copy job runs), the ring's helper
+    stream, one event per ring slot, and DMAs by `cudaMemcpyAsync`."""
 
     def __init__(self, helper: torch.cuda.Stream):
         self.helper = helper
@@ -82,8 +80,8 @@ class CudaStreams:
 
 
 class StagingRing:
-    """`STAGING_CHUNKS` chunks of `chunk_tokens` slots in the host layout on the device pool's device, and the copies
-    by DMA that stage through them (one direction of one host pool: a ring is not shared between directions)."""
+    """`STAGING_CHUNKS` chunks of `chunk_tokens` slots in the host layout on the device pool's device, and the
+    backups by DMA that stage through them (those of one host pool)."""
 
     def __init__(self, chunk_bytes: int, bytes_per_token: int, pool_tokens: int, streams: CudaStreams):
         self.chunk_tokens, self.streams = chunk_tokens(chunk_bytes, bytes_per_token, pool_tokens), streams
@@ -118,21 +116,3 @@ class StagingRing:
                 for kind in (0, 1):
                     s.dma(host_kv[kind, h : h + n], staged[kind, at : at + n], copy)
             s.record(slot, copy)
-
-    def to_device(self, host_kv: torch.Tensor, device_kv: torch.Tensor, runs: pcie.Runs) -> None:
-        """The reverse of `to_host`: pieces by DMA into a slot, scattered from there into the pool on the helper
-        stream; the copy stream then waits for the scatters, so that the job's completion covers them."""
-        s, by_token = self.streams, device_kv.transpose(1, 2)
-        copy, helper = s.copy(), s.helper
-        for slot, chunk in self._chunks(host_kv, device_kv, runs):
-            staged = self.buffer[slot]
-            s.wait(slot, copy)  # the slot's last scatters have read it
-            for h, _, n, at in chunk:
-                for kind in (0, 1):
-                    s.dma(staged[kind, at : at + n], host_kv[kind, h : h + n], copy)
-            s.wait_stream(helper, copy)
-            with s.on(helper):
-                for _, d, n, at in chunk:
-                    by_token[:, d : d + n].copy_(staged[:, at : at + n])
-            s.record(slot, helper)
-        s.wait_stream(copy, helper)

@@ -74,9 +74,9 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
 def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
-    """Both ways across PCIe (UVA kernels per layer, Triton's or torch's; DMA of page runs with `page_first`, through
-    staging rings of 4 chunks of 3 tokens, so that each copy of 80 tokens goes round its ring 7 times, each chunk
-    waiting for its slot's last reader), scattered pages."""
+    """Both ways across PCIe (UVA kernels, Triton's or torch's; a backup by DMA of page runs with `page_first`,
+    through a staging ring of 4 chunks of 3 tokens, so that a copy of 80 tokens goes round the ring 7 times, each
+    chunk waiting for its slot's last reader), scattered pages."""
     dma = mechanism == "dma"
     monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1 if dma else 1 << 40)
     if mechanism == "uva-torch":
@@ -94,6 +94,29 @@ def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
     engine.submit("load", CopyJob(host.copy_layers(False, device, dst, back), lambda: None)).synchronize()
     assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])
     assert torch.equal(torch.stack(host.buffers(2))[:, dst].cuda(), device.kv[:, 2, src])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run the suite on a machine with one)")
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_a_gpu_load_moves_one_layer_per_step_even_where_a_backup_goes_by_dma(layout, monkeypatch):
+    """Layer i's attention waits for layer i's load alone: a load's first step has moved layer 0 and no other,
+    in both layouts, even with runs long enough for DMA."""
+    monkeypatch.setattr(pcie, "DMA_MIN_RUN_BYTES", 1)
+    device = DeviceKVPool(64, 3, num_heads=2, head_dim=8, device="cuda")
+    device.kv.copy_(torch.randn_like(device.kv))
+    host = HostKVPool(64, device, layout)
+    src, back = torch.arange(0, 16), torch.arange(32, 48)
+    host.copy_layers(True, device, src, src)[0]()
+    device.kv[:, :, back] = 0
+    steps = host.copy_layers(False, device, src, back)
+    steps[0]()
+    torch.cuda.synchronize()
+    assert torch.equal(device.kv[:, 0, back], device.kv[:, 0, src])
+    assert not device.kv[:, 1:, back].any(), "the first step moved a later layer too"
+    for step in steps[1:]:
+        step()
+    torch.cuda.synchronize()
+    assert torch.equal(device.kv[:, :, back], device.kv[:, :, src])
 
 
 def test_virtual_copy_poisons_until_due_then_moves_bytes():

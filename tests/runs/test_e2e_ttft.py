@@ -1,5 +1,6 @@
-"""bench/e2e_ttft.py on CPU with its tiny settings: three runs of one workload, the floor holds everything, and
-the bounds and ratios follow from the stored TTFTs and copy times (a stand-in copy timer gives CPU copy times)."""
+"""bench/e2e_ttft.py on CPU with its tiny settings: four runs of one workload, the all-on-device pool holds
+everything, and the bounds and ratios follow from the stored TTFTs and copy times (a stand-in copy timer gives CPU
+copy times); bench/e2e_bounds.py's reading of a step trace, on a trace written here."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import json
 
 import pytest
 
-from bench import e2e_ttft
+from bench import e2e_bounds, e2e_ttft
 
-TTFT = ("l1_only_ttft_ms", "l1_l2_ttft_ms", "all_on_device_ttft_ms")
+TTFT = tuple(e2e_bounds.TTFT_KEYS.values())
 
 
 def bench(tmp_path, *flags: str) -> dict:
@@ -20,23 +21,32 @@ def bench(tmp_path, *flags: str) -> dict:
     return stored
 
 
-def test_three_runs_of_one_workload_and_no_copy_time_on_cpu(tmp_path):
+def test_four_runs_of_one_workload_and_no_copy_time_on_cpu(tmp_path):
     result = bench(tmp_path)
-    assert len(result["runs"]) == 1 and set(result["runs"][0]) == {"L1 only", "L1 + L2", "all on device"}
+    assert len(result["runs"]) == 1 and tuple(result["runs"][0]) == e2e_bounds.RUNS
     runs, rows = result["runs"][0], result["rounds"]
-    assert [len(r) for r in runs.values()] == [len(rows)] * 3 == [result["config"]["workload"]["num_rounds"]] * 3
-    for row, l1, l12, floor in zip(rows, runs["L1 only"], runs["L1 + L2"], runs["all on device"], strict=True):
-        assert [row[k] for k in TTFT] == [l1["ttft_ms"], l12["ttft_ms"], floor["ttft_ms"]]
+    assert [len(r) for r in runs.values()] == [len(rows)] * 4 == [result["config"]["workload"]["num_rounds"]] * 4
+    for row, *measured in zip(rows, *runs.values(), strict=True):
+        assert [row[k] for k in TTFT] == [m["ttft_ms"] for m in measured]
+        l12, floor = runs["L1 + L2"][row["round"]], runs["all on device"][row["round"]]
         assert row["loaded_tokens"] == l12["cached_host"] + l12["cached_storage"]
-        assert row["loaded_bytes"] == row["loaded_tokens"] * result["kv_bytes_per_token"]
-        assert floor["hit_rate"] == pytest.approx(floor["upper_bound_hit_rate"]), "the floor evicts nothing"
+        assert 0 <= row["waited_tokens"] <= row["loaded_tokens"], "a first token waits for some of the round's loads"
+        assert row["waited_bytes"] == row["waited_tokens"] * result["kv_bytes_per_token"]
+        assert floor["hit_rate"] == pytest.approx(floor["upper_bound_hit_rate"]), "all on device evicts nothing"
         assert row["copy_ms"] is row["serial_bound_ms"] is row["cut_vs_overlap"] is None, "not applicable on CPU"
     assert sum(r["loaded_tokens"] for r in rows) > 0, "the L1 + L2 run must load from the host"
+    assert sum(r["waited_tokens"] for r in rows) > 0
+    assert [r["loaded_tokens"] for r in runs["L2 on device"]] == [r["loaded_tokens"] for r in runs["L1 + L2"]]
     assert sum(r["cached_host"] for r in runs["all on device"]) == 0
     w = result["config"]["workload"]
     history = w["request_length"] + (w["num_rounds"] - 1) * (w["sub_question_input_length"] + w["output_length"])
     assert result["all_on_device_tokens"] >= w["num_clients"] * (history + w["output_length"])
     assert result["machine"]["gpu"] is None and result["machine"]["dtype"] == "float32"
+    waves = result["timelines"][0]
+    assert tuple(waves) == e2e_bounds.RUNS and result["timeline_round"] == 3
+    for label, pieces in waves.items():  # every request of the round has its first token in one wave
+        assert sum(p["first_tokens"] for p in pieces) == w["num_clients"], label
+    assert sum(p["loaded_tokens"] for p in waves["L1 + L2"]) > 0 == sum(p["loaded_tokens"] for p in waves["L1 only"])
 
 
 def test_bounds_and_ratios_follow_from_the_stored_times(tmp_path, monkeypatch):
@@ -44,34 +54,68 @@ def test_bounds_and_ratios_follow_from_the_stored_times(tmp_path, monkeypatch):
     result = bench(tmp_path, "--dtype", "bfloat16", "--later-from", "2")
     assert result["kv_bytes_per_token"] == 2 * 2 * 4 * 16 * 2, "2 layers x 4 heads x 16 dims, K and V, 2 bytes"
     for row in result["rounds"]:
-        l1, got, floor = (row[k] for k in TTFT)
-        assert row["copy_ms"] == row["loaded_bytes"] / 1e4
+        l1, got, floor = row["l1_only_ttft_ms"], row["l1_l2_ttft_ms"], row["l2_on_device_ttft_ms"]
+        assert row["copy_ms"] == round(row["waited_bytes"]) / 1e4
         assert row["serial_bound_ms"] == floor + row["copy_ms"]
         assert row["overlap_bound_ms"] == max(floor, row["copy_ms"])
         if l1 != row["serial_bound_ms"]:
             assert row["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - floor - row["copy_ms"]))
     mean, later = result["later_mean"], [r for r in result["rounds"] if r["round"] >= 2]
     assert mean["rounds"] == [r["round"] for r in later] and len(later) == 2
-    l1, got, floor, copy = (sum(r[k] for r in later) / 2 for k in (*TTFT, "copy_ms"))
-    overlap = sum(max(r["all_on_device_ttft_ms"], r["copy_ms"]) for r in later) / 2
+    l1, got, floor, copy = (sum(r[k] for r in later) / 2 for k in (*TTFT[:3], "copy_ms"))
+    overlap = sum(max(r["l2_on_device_ttft_ms"], r["copy_ms"]) for r in later) / 2
     assert mean["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - (floor + copy)))
     assert mean["cut_vs_overlap"] == pytest.approx((l1 - got) / (l1 - overlap))
-    assert result["later_mean_ttft_ms"] == pytest.approx({"L1 only": l1, "L1 + L2": got, "all on device": floor})
+    ttfts = {label: mean[key] for label, key in e2e_bounds.TTFT_KEYS.items()}
+    assert result["later_mean_ttft_ms"] == pytest.approx(ttfts)
 
 
 def test_repeats_take_turns_and_each_figure_is_the_median_of_per_repeat_figures(tmp_path, monkeypatch):
     monkeypatch.setattr(e2e_ttft, "time_copies", lambda sizes, device, repeats: [n / 1e4 for n in sizes])
     result = bench(tmp_path, "--repeats", "3")
     runs, repeats = result["runs"], result["repeats"]
-    assert len(runs) == len(repeats) == 3 and all(set(r) == set(e2e_ttft.RUNS) for r in runs)
-    for label, key in e2e_ttft.TTFT_KEYS.items():
+    assert len(runs) == len(repeats) == 3 and all(tuple(r) == e2e_bounds.RUNS for r in runs)
+    for label, key in e2e_bounds.TTFT_KEYS.items():
         for i, row in enumerate(result["rounds"]):
             ttfts = sorted(run[label][i]["ttft_ms"] for run in runs)
             assert row[key] == ttfts[1], f"{label} round {i}: the median of the repeats"
     for run, repeat in zip(runs, repeats, strict=True):  # a repeat's ratio uses its own TTFTs only
         l1, got = (run[k][2]["ttft_ms"] for k in ("L1 only", "L1 + L2"))
         bound = repeat["rounds"][2]["serial_bound_ms"]
-        assert bound == run["all on device"][2]["ttft_ms"] + repeat["rounds"][2]["copy_ms"]
+        assert bound == run["L2 on device"][2]["ttft_ms"] + repeat["rounds"][2]["copy_ms"]
         assert repeat["rounds"][2]["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - bound))
     cuts = sorted(r["later_mean"]["cut_vs_serial"] for r in repeats)
     assert result["later_mean"]["cut_vs_serial"] == cuts[1], "the headline: the median repeat's ratio"
+
+
+def step(n: int, kind: str, rids: list[int], loaded: int = 0, ms: float = 1.0) -> dict:
+    return {"step": n, "kind": kind, "requests": rids, "host_load_tokens": loaded, "ms": ms}
+
+
+# A round of requests 10-12 in two waves after a step of another round: 10 and 11 load 40 and 30 tokens, 11's
+# prefill takes two chunks; 12 loads 50 once they are done, is retracted after one decode and prefilled again.
+TRACE = [
+    step(0, "decode", [9]),
+    step(1, "prefill", [10, 11], loaded=70, ms=5.0),
+    step(2, "prefill", [11], ms=4.0),
+    step(3, "decode", [10, 11], ms=2.0),
+    step(4, "decode", [10, 11], ms=2.0),
+    step(5, "prefill", [12], loaded=50, ms=3.0),
+    step(6, "decode", [12], ms=1.0),
+    step(7, "prefill", [12], loaded=50, ms=3.0),
+    step(8, "decode", [12], ms=1.0),
+    step(9, "prefill", [13]),
+]
+
+
+def test_a_first_token_waits_for_the_loads_up_to_its_prefills_last_chunk():
+    assert e2e_bounds.first_token_steps(TRACE) == {10: 1, 11: 2, 12: 5, 13: 9}, "not the retracted re-prefill"
+    rids = {10, 11, 12}
+    assert [s["step"] for s in e2e_bounds.round_steps(TRACE, rids)] == list(range(1, 9))
+    assert e2e_bounds.waited_tokens(TRACE, rids) == pytest.approx((70 + 70 + 120) / 3)
+    assert e2e_bounds.waves(TRACE, rids) == [
+        {"first_tokens": 1, "loaded_tokens": 70, "prefill_ms": 5.0, "decodes": 0, "decode_ms": 0.0},
+        {"first_tokens": 1, "loaded_tokens": 0, "prefill_ms": 4.0, "decodes": 2, "decode_ms": 4.0},
+        {"first_tokens": 1, "loaded_tokens": 50, "prefill_ms": 3.0, "decodes": 1, "decode_ms": 1.0},
+        {"first_tokens": 0, "loaded_tokens": 50, "prefill_ms": 3.0, "decodes": 1, "decode_ms": 1.0},
+    ]
