@@ -17,7 +17,7 @@ Then, on the same GPU, a plain pinned-host -> device `copy_` of the bytes each r
 before the compute), and the **overlap** bound, max(floor, copy) (the load hidden under it). The figure: L1 + L2's
 TTFT cut (L1 only - L1 + L2) as a ratio of each bound's cut (L1 only - bound), per round and for the mean of the
 rounds from `--later-from` (1.0 = the bound reached). `--timeline-round` prints one round step by step for each
-run: its waves, the GB each loaded, the prefill and decode milliseconds. On CPU there is no copy to time: copy and
+run: its waves, the MB each loaded, the prefill and decode milliseconds. On CPU there is no copy to time: copy and
 bounds are reported as not applicable.
 
     PYTHONPATH=. python -m bench.e2e_ttft --device cuda --latency real --repeats 3

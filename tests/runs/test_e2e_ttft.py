@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from bench import e2e_bounds, e2e_ttft
+from bench import e2e_bounds, e2e_ttft, gpu_timeline
 
 TTFT = tuple(e2e_bounds.TTFT_KEYS.values())
 
@@ -119,3 +119,27 @@ def test_a_first_token_waits_for_the_loads_up_to_its_prefills_last_chunk():
         {"first_tokens": 1, "loaded_tokens": 50, "prefill_ms": 3.0, "decodes": 1, "decode_ms": 1.0},
         {"first_tokens": 0, "loaded_tokens": 50, "prefill_ms": 3.0, "decodes": 1, "decode_ms": 1.0},
     ]
+
+
+def gpu_event(stream: int, start: float, length: float, name: str = "gemm", cat: str = "kernel") -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": length, "args": {"stream": stream}}
+
+
+def test_a_gpu_timeline_counts_each_stream_its_overlap_with_the_forward_and_the_idle_time():
+    """bench/gpu_timeline.py's reading of a profiler trace (µs): the forward is the stream that ran the most;
+    a copy stream's time splits into beside the forward's kernels and alone; CPU events are no GPU time."""
+    trace = {
+        "traceEvents": [
+            *(gpu_event(7, start, 10) for start in (0, 10, 30)),  # the forward: 0-20 and 30-40
+            gpu_event(20, 5, 30, "_copy_rows_kernel"),  # 5-35: 15 + 5 beside the forward, 10 alone
+            gpu_event(21, 60, 5, "Memcpy DtoH", "gpu_memcpy"),
+            {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100, "args": {}},
+        ]
+    }
+    got = gpu_timeline.summarize(trace, wall_ms=0.1)
+    assert got["gpu_busy_ms"] == pytest.approx(0.045) and got["gpu_idle_ms"] == pytest.approx(0.055)  # 0-40, 60-65
+    forward, load, backup = got["streams"]
+    assert (forward["stream"], forward["role"], forward["busy_ms"], forward["events"]) == (7, "forward", 0.03, 3)
+    assert (load["stream"], load["busy_ms"]) == (20, pytest.approx(0.030))
+    assert load["beside_forward_ms"] == pytest.approx(0.020) and load["forward_idle_ms"] == pytest.approx(0.010)
+    assert backup["top"] == [["Memcpy DtoH", 0.01]] and backup["beside_forward_ms"] == 0.0
