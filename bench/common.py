@@ -67,10 +67,13 @@ def usable_cpus() -> int | None:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
 
+def write_json(path: Path, result: dict) -> None:
+    """`result` as indented JSON at `path` (its folder made where missing), and a line that says so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {path}")
+
+
 def save(name: str, rows: list[dict]) -> None:
     """bench/results/NAME.json: the machine (`machine_info` and the GPU) and one entry per measurement."""
-    machine = machine_info(gpu=torch.cuda.get_device_name())
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
-    print(f"wrote {path}")
+    write_json(RESULTS / f"{name}.json", {"machine": machine_info(gpu=torch.cuda.get_device_name()), "rows": rows})

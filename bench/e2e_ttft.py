@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from bench import e2e_bounds as bounds
-from bench.common import RESULTS, check, machine_info
+from bench.common import RESULTS, check, machine_info, write_json
 from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.binders import Binder, RankParts
@@ -260,9 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
         "later_mean": mean,
         "later_mean_ttft_ms": {label: mean[bounds.TTFT_KEYS[label]] for label in bounds.RUNS},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return result
 
 

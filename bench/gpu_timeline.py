@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from bench import e2e_ttft
-from bench.common import RESULTS, check, machine_info
+from bench.common import RESULTS, check, machine_info, write_json
 from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.binders import Binder, RankParts
 from hicache_lab.lab.binders import run
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             result[label] = json.loads((Path(out) / "gpu_timeline.json").read_text())
         result[label]["ttft_ms"] = summary["rounds"][args.round]["ttft_ms"]
         print(format_summary(label, result[label]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return result
 
 
