@@ -119,6 +119,7 @@ def holds_everything(cfg: RunConfig) -> int:
 def run_configs(base: RunConfig) -> dict[str, RunConfig]:
     """The four runs of the same workload (`e2e_bounds.RUNS`): device pool alone, with the host tier (twice: the
     second, `L2 on device`, has `HOST_POOL_ON_DEVICE` bound into it), and large enough for all."""
+    check(base.cache_impl == "lab", "--cache-impl lab: the floor's run (L2 on device) moves the lab's host pool")
     c = base.cache
     everything = max(c.max_total_tokens, holds_everything(base))
     hierarchical = dataclasses.replace(base, cache=dataclasses.replace(c, enable_hierarchical_cache=True))
