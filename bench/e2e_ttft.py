@@ -107,6 +107,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--enable-hierarchical-cache: the bench runs with and without the host tier itself")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
+    if not 0 <= args.timeline_round < args.num_rounds:
+        parser.error(f"--timeline-round {args.timeline_round}: the workload's rounds are 0 to {args.num_rounds - 1}")
     return args
 
 

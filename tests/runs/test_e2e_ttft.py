@@ -143,3 +143,17 @@ def test_a_gpu_timeline_counts_each_stream_its_overlap_with_the_forward_and_the_
     assert (load["stream"], load["busy_ms"]) == (20, pytest.approx(0.030))
     assert load["beside_forward_ms"] == pytest.approx(0.020) and load["forward_idle_ms"] == pytest.approx(0.010)
     assert backup["top"] == [["Memcpy DtoH", 0.01]] and backup["beside_forward_ms"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--repeats", "0"], "give at least 1"),
+        (["--timeline-round", "4"], "rounds are 0 to 3"),
+        (["--enable-hierarchical-cache"], "runs with and without the host tier itself"),
+    ],
+)
+def test_bad_bench_flags_are_refused_with_what_to_change(flags, says, capsys):
+    with pytest.raises(SystemExit):
+        e2e_ttft.parse(["--smoke", *flags])
+    assert says in capsys.readouterr().err
