@@ -231,11 +231,11 @@ def main(argv: list[str] | None = None) -> dict:
     measured = measure(configs, args.repeats, args.timeline_round)
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
     waited = [[round(r["waited_tokens"] * bytes_per_token) for r in run["rounds"]["L1 + L2"]] for run in measured]
-    sizes = sorted({n for sizes in waited for n in sizes})
+    sizes = sorted({n for per_round in waited for n in per_round})
     copy_ms = dict(zip(sizes, time_copies(sizes, p.device, args.copy_repeats), strict=True))
     repeats = []
-    for run_, sizes in zip(measured, waited, strict=True):  # each repeat against its own copies: no mixing
-        rows = bounds.round_table(run_["rounds"], [copy_ms[n] for n in sizes], bytes_per_token)
+    for run_, per_round in zip(measured, waited, strict=True):  # each repeat against its own copies: no mixing
+        rows = bounds.round_table(run_["rounds"], [copy_ms[n] for n in per_round], bytes_per_token)
         repeats.append({"rounds": rows, "later_mean": bounds.later_mean(rows, args.later_from)})
     rows = bounds.median_of([r["rounds"] for r in repeats])
     mean = bounds.median_of([r["later_mean"] for r in repeats])
