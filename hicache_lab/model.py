@@ -17,6 +17,7 @@ peer, which keeps the lab simple), so CP peers hold identical KV and must agree 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,37 @@ def _rms_norm(x: torch.Tensor, weight: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * weight).to(x.dtype)
 
 
+@lru_cache(maxsize=1)
+def _draw(seed: int, shape: tuple[int, int, int, int], logit_scale: float, layers: range, tp_rank: int, tp_size: int):
+    """The embedding, the lm_head and the weights of `layers` (this TP rank's slice), drawn in fp32 on the CPU from
+    the seed, so that every process and device gets the same. Every layer is drawn, so that each stage's slice
+    matches the full model's. Kept for the next model of the same shape in this process: a benchmark runs the
+    same 0.9B-parameter model many times, and its draw takes 7 s of CPU time."""
+    (num_layers, d, f, v), g = shape, torch.Generator().manual_seed(seed)
+
+    def rand(*dims):
+        return torch.randn(*dims, generator=g) / dims[0] ** 0.5
+
+    heads = slice(tp_rank * d // tp_size, (tp_rank + 1) * d // tp_size)
+    mlp = slice(tp_rank * f // tp_size, (tp_rank + 1) * f // tp_size)
+    embed = torch.randn(v, d, generator=g)
+    lm_head = rand(d, v) * logit_scale  # stays fp32: logits are fp32 in every dtype
+    weights = []
+    for i in range(num_layers):
+        w = {
+            "wq": rand(d, d)[:, heads],
+            "wk": rand(d, d)[:, heads],
+            "wv": rand(d, d)[:, heads],
+            "wo": rand(d, d)[heads, :],
+            "w_up": rand(d, f)[:, mlp],
+            "w_gate": rand(d, f)[:, mlp],
+            "w_down": rand(f, d)[mlp, :],
+        }
+        if i in layers:
+            weights.append({k: t.contiguous() for k, t in w.items()})
+    return embed, lm_head, weights
+
+
 class TinyModel:
     def __init__(
         self,
@@ -60,38 +92,27 @@ class TinyModel:
         self.layers = layers if layers is not None else range(cfg.num_layers)
         self.tp_size, self.attn_tp_group, self.attn_cp_group = tp_size, attn_tp_group, attn_cp_group
         self.cp_rank, self.cp_size = group_rank_and_size(attn_cp_group)
-        g = torch.Generator().manual_seed(cfg.seed)
-        d, f, v = cfg.hidden_size, cfg.mlp_size, cfg.vocab_size
-
-        def rand(*shape):
-            return torch.randn(*shape, generator=g) / shape[0] ** 0.5
-
-        heads = slice(tp_rank * d // tp_size, (tp_rank + 1) * d // tp_size)
-        mlp = slice(tp_rank * f // tp_size, (tp_rank + 1) * f // tp_size)
-        self.embed_tokens = torch.randn(v, d, generator=g)
-        self.lm_head = rand(d, v) * cfg.logit_scale  # stays fp32: logits are fp32 in every dtype
-        self.weights = []
-        for i in range(cfg.num_layers):  # draw every layer so each stage's slice matches the full model's
-            w = {
-                "wq": rand(d, d)[:, heads],
-                "wk": rand(d, d)[:, heads],
-                "wv": rand(d, d)[:, heads],
-                "wo": rand(d, d)[heads, :],
-                "w_up": rand(d, f)[:, mlp],
-                "w_gate": rand(d, f)[:, mlp],
-                "w_down": rand(f, d)[mlp, :],
-            }
-            if i in self.layers:
-                self.weights.append({k: t.contiguous().to(self.device, self.dtype) for k, t in w.items()})
-        self.embed_tokens, self.lm_head = self.embed_tokens.to(self.device, self.dtype), self.lm_head.to(self.device)
+        shape = (cfg.num_layers, cfg.hidden_size, cfg.mlp_size, cfg.vocab_size)
+        embed, lm_head, weights = _draw(cfg.seed, shape, cfg.logit_scale, self.layers, tp_rank, tp_size)
+        self.embed_tokens, self.lm_head = embed.to(self.device, self.dtype), lm_head.to(self.device)
+        self.weights = [{k: t.to(self.device, self.dtype) for k, t in w.items()} for w in weights]
         self.num_local_heads = cfg.num_heads // tp_size
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=self.device) / half)
 
-    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A batch input on the model's device without waiting for the GPU: a blocking copy would make the CPU
+        wait, at every layer, for the kernels queued before it (a layer's wait for its load among them)."""
+        return t.to(self.device, non_blocking=True)
+
+    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the rotary angles of `positions` (on the device), [N, 1, head_dim / 2], in fp32."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding, computed in fp32, returned in the dtype of `x`."""
-        angles = positions.to(self.device, torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         x1, x2 = x.float().chunk(2, dim=-1)
         return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
@@ -100,18 +121,18 @@ class TinyModel:
             dist.all_reduce(x, group=self.attn_tp_group)
         return x
 
-    def _project_kv(self, x: torch.Tensor, w: dict, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project_kv(self, x: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
         """K and V of every new token. Under CP each peer projects its share of the tokens and the shares are
         gathered, so all CP peers write identical KV into their pools."""
         h, hd, n = self.num_local_heads, self.cfg.head_dim, len(x)
         if self.cp_size == 1:
-            return self._rope((x @ w["wk"]).view(-1, h, hd), positions), (x @ w["wv"]).view(-1, h, hd)
+            return self._rope((x @ w["wk"]).view(-1, h, hd), cos, sin), (x @ w["wv"]).view(-1, h, hd)
         share = -(-n // self.cp_size)
         rows = slice(self.cp_rank * share, min(n, (self.cp_rank + 1) * share))
         mine = torch.zeros(2, share, h, hd, device=self.device, dtype=x.dtype)
         kept = rows.stop - rows.start
         if kept > 0:
-            mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), positions[rows])
+            mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), cos[rows], sin[rows])
             mine[1, :kept] = (x[rows] @ w["wv"]).view(-1, h, hd)
         gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
         dist.all_gather(gathered, mine, group=self.attn_cp_group)
@@ -132,29 +153,34 @@ class TinyModel:
                 )
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens[tokens.to(self.device)]
+        return self.embed_tokens[self._to_device(tokens)]
 
     def forward_layers(self, hidden: torch.Tensor, batch: ForwardBatch, pool: DeviceKVPool) -> torch.Tensor:
-        """Run this stage's layers over `hidden` [N, hidden_size], writing new K/V into `pool`."""
+        """Run this stage's layers over `hidden` [N, hidden_size], writing new K/V into `pool`. What every layer
+        shares (the slots, the rotary angles, each request's causal mask) is made once."""
         h, hd = self.num_local_heads, self.cfg.head_dim
-        out_slots = batch.out_slots.to(self.device)
-        seq_slots = [s.to(self.device) for s in batch.seq_slots]
+        out_slots = self._to_device(batch.out_slots)
+        lengths = [len(s) for s in batch.seq_slots]
+        seq_slots = self._to_device(torch.cat(batch.seq_slots)).split(lengths)
+        cos, sin = self._rope_angles(self._to_device(batch.positions))
+        future = [  # a new token at row i sees the sequence up to its own position: masked beyond it
+            torch.ones(n, t, dtype=torch.bool, device=self.device).triu(t - n + 1)
+            for n, t in zip(batch.extend_lens, lengths, strict=True)
+        ]
         for local, w in enumerate(self.weights):
             x = _rms_norm(hidden, 1.0)
-            q = self._rope((x @ w["wq"]).view(-1, h, hd), batch.positions)
-            k, v = self._project_kv(x, w, batch.positions)
+            q = self._rope((x @ w["wq"]).view(-1, h, hd), cos, sin)
+            k, v = self._project_kv(x, w, cos, sin)
             if batch.load_event is not None:
                 batch.load_event.wait_layer(local)
             k_pool, v_pool = pool.buffers(local)
             k_pool[out_slots] = k
             v_pool[out_slots] = v
             outputs, start = [], 0
-            for n, slots in zip(batch.extend_lens, seq_slots, strict=True):
+            for n, slots, masked in zip(batch.extend_lens, seq_slots, future, strict=True):
                 qi = q[start : start + n].transpose(0, 1)  # [h, n, hd]
                 ki, vi = k_pool[slots].transpose(0, 1), v_pool[slots].transpose(0, 1)  # [h, T, hd]
-                scores = qi @ ki.transpose(1, 2) / hd**0.5
-                causal = torch.ones(n, len(slots), dtype=torch.bool, device=self.device).tril(len(slots) - n)
-                scores = scores.masked_fill(~causal, float("-inf"))
+                scores = (qi @ ki.transpose(1, 2) / hd**0.5).masked_fill(masked, float("-inf"))
                 probs = scores.softmax(-1, dtype=torch.float32).to(vi.dtype)
                 outputs.append((probs @ vi).transpose(0, 1).reshape(n, h * hd))
                 start += n
