@@ -11,7 +11,12 @@ batch on an idle GPU (its CPU-side preparation shows), and 8 batches back to bac
 overlaps the copy of the one before, as when a scheduler writes many nodes through). Targets (issue 32):
 every layout and page size >= 0.90x the ceiling for one batch, >= 0.95x for 8 in a row.
 
-    PYTHONPATH=. python -m bench.copy_bandwidth          # on a CUDA machine
+`--kernel-shapes` then times the loads again with the copy kernel launched on other shapes: thread blocks
+(`pcie.COPY_PROGRAMS`), rows each block moves at a time (`COPY_TILE`) and warps per block (`COPY_WARPS`), to show
+whether a wider kernel reads host memory faster (rows `kernel_shapes` in the JSON).
+
+    PYTHONPATH=. python -m bench.copy_bandwidth                   # on a CUDA machine
+    PYTHONPATH=. python -m bench.copy_bandwidth --kernel-shapes   # and the loads on 12 kernel shapes
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ LAYERS, HEADS, HEAD_DIM = 32, 8, 128
 
 
 STREAMED = 8  # batches back to back
+SHAPES = [(programs, tile, warps) for programs in (16, 64, 132) for tile in (4, 8) for warps in (4, 8)]
 
 
 def timed(fn, repeats: int, batches: int = 1) -> float:
@@ -60,11 +66,44 @@ def engine_copy(engine: CudaCopyEngine, stream: str, to_host: bool, host, device
     torch.cuda.current_stream().wait_event(event.finished)  # so the timing events enclose the side stream
 
 
+def ratios(copy, nbytes: int, ceiling: dict, direction: str, repeats: int) -> dict:
+    """A copy's GB/s and its ratio to the ceiling, for one batch and for `STREAMED` in a row."""
+    row = {}
+    for label, batches in (("single", 1), ("streamed", STREAMED)):
+        gbps = nbytes / timed(copy, repeats, batches) / 1e9
+        row[f"{label}_GB_s"] = round(gbps, 2)
+        row[f"{label}_ceiling_GB_s"] = round(ceiling[direction, batches], 2)
+        row[f"{label}_ratio"] = round(gbps / ceiling[direction, batches], 3)
+    return row
+
+
+def kernel_shapes(copy, nbytes: int, ceiling: dict, repeats: int, label: str) -> list[dict]:
+    """The load re-timed with the copy kernel on each of `SHAPES` (the module's own constants restored after)."""
+    kept, rows = (pcie.COPY_PROGRAMS, pcie.COPY_TILE, pcie.COPY_WARPS), []
+    try:
+        for shape in SHAPES:
+            pcie.COPY_PROGRAMS, pcie.COPY_TILE, pcie.COPY_WARPS = shape
+            programs, tile, warps = shape
+            row = {"programs": programs, "tile": tile, "warps": warps}
+            rows.append(row | ratios(copy, nbytes, ceiling, "load", repeats))
+    finally:
+        pcie.COPY_PROGRAMS, pcie.COPY_TILE, pcie.COPY_WARPS = kept
+    one, many = (min(r[f"{k}_ratio"] for r in rows) for k in ("single", "streamed"))
+    top_one, top_many = (max(r[f"{k}_ratio"] for r in rows) for k in ("single", "streamed"))
+    print(
+        f"{label} on {len(SHAPES)} kernel shapes: one batch {one:.3f}-{top_one:.3f}, in a row {many:.3f}-{top_many:.3f}"
+    )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per batch (1024 x 128 KiB = 128 MiB)")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--kernel-shapes", action="store_true", help=f"time the loads on {len(SHAPES)} kernel shapes too"
+    )
     args = parser.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA device"
     pool_tokens = 4 * args.tokens
@@ -95,16 +134,14 @@ def main() -> None:
                 mechanism = "dma" if dma and to_host else uva
                 copy = partial(engine_copy, engine, stream, to_host, host, device, host_idx, dev_idx)
                 row = {"layout": layout, "page_size": page_size, "mechanism": mechanism, "direction": direction}
-                for label, batches in (("single", 1), ("streamed", STREAMED)):
-                    gbps = nbytes / timed(copy, args.repeats, batches) / 1e9
-                    row[f"{label}_GB_s"] = round(gbps, 2)
-                    row[f"{label}_ceiling_GB_s"] = round(ceiling[direction, batches], 2)
-                    row[f"{label}_ratio"] = round(gbps / ceiling[direction, batches], 3)
-                rows.append({**row, "bytes": nbytes})
+                row |= ratios(copy, nbytes, ceiling, direction, args.repeats)
                 one = f"{row['single_GB_s']:6.2f} GB/s ({row['single_ratio']:.3f})"
                 many = f"{row['streamed_GB_s']:6.2f} GB/s ({row['streamed_ratio']:.3f})"
                 label = f"{layout:12} page {page_size:3} {mechanism:10} {direction:6}"
                 print(f"{label} one batch {one}, {STREAMED} in a row {many}")
+                if args.kernel_shapes and not to_host and pcie.triton is not None:
+                    row["kernel_shapes"] = kernel_shapes(copy, nbytes, ceiling, args.repeats, label.rstrip())
+                rows.append({**row, "bytes": nbytes})
     save("copy_bandwidth", rows)
 
 

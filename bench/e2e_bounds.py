@@ -140,6 +140,14 @@ def median_of(tables: list):
     return merged
 
 
+def of_medians(row: dict) -> dict:
+    """A row of medians over repeats (`median_of`), its cut ratios taken of those medians. One run's TTFT moves by
+    up to 2x from the next run's of the same configuration (bf16 on an H200, BENCHMARKS.md), and not with the run
+    beside it in the repeat: pairing the runs of a repeat cancels nothing, and a ratio of differences of single runs
+    swings widely (from -6.2 to 2.1 in one bench). The ratio of the medians does not."""
+    return row | cut_ratios(row)
+
+
 def _cell(value: float | None, decimals: int) -> str:
     return f"{'n/a':>8}" if value is None else f"{value:>8.{decimals}f}"
 

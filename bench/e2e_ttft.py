@@ -2,7 +2,8 @@
 
 A randomly initialised ~0.9B-parameter model (16 layers, hidden 2048, MLP 5632, 32k vocabulary; fp32, or bf16
 with `--dtype bfloat16`) serves long multi-turn conversations whose history outgrows the device pool. The same
-workload and seed run four ways (`--repeats` times, in turn; ratios within a repeat, then the median):
+workload and seed run four ways (`--repeats` times, in turn; each figure the median over the repeats, each ratio
+that of the medians: `e2e_bounds.of_medians` says why):
 
 * **L1 only** - later rounds recompute the history that the device pool had to evict;
 * **L1 + L2** - they load it back from host memory instead;
@@ -94,8 +95,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--repeats",
         type=int,
         default=1,
-        help="times the three configurations run, in turn (at least 1); each figure is the median over repeats, "
-        "every ratio computed within one repeat",
+        help="times the four configurations run, in turn (at least 1); each figure is the median over repeats, "
+        "each ratio that of the medians",
     )
     parser.add_argument(
         "--timeline-round", type=int, default=3, help="the round printed step by step for each run (counts from 0)"
@@ -237,16 +238,17 @@ def main(argv: list[str] | None = None) -> dict:
     for run_, per_round in zip(measured, waited, strict=True):  # each repeat against its own copies: no mixing
         rows = bounds.round_table(run_["rounds"], [copy_ms[n] for n in per_round], bytes_per_token)
         repeats.append({"rounds": rows, "later_mean": bounds.later_mean(rows, args.later_from)})
-    rows = bounds.median_of([r["rounds"] for r in repeats])
-    mean = bounds.median_of([r["later_mean"] for r in repeats])
+    rows = [bounds.of_medians(row) for row in bounds.median_of([r["rounds"] for r in repeats])]
+    mean = bounds.of_medians(bounds.median_of([r["later_mean"] for r in repeats]))
     print(f"\nround {args.timeline_round} step by step, repeat 1 (ms):")
     for label, pieces in measured[0]["timeline"].items():
         print(bounds.format_waves(label, pieces, bytes_per_token))
     print(f"\n{m.dtype}, KV {bytes_per_token:,} bytes per token; TTFT per round and its bounds (median of repeats):")
     print(bounds.format_table(rows, mean))
     if len(repeats) > 1:
-        cuts = [r["later_mean"]["cut_vs_serial"] for r in repeats]
-        print("cut / serial bound of each repeat: " + ", ".join("n/a" if c is None else f"{c:.2f}" for c in cuts))
+        for name in ("serial", "overlap"):
+            cuts = [r["later_mean"][f"cut_vs_{name}"] for r in repeats]
+            print(f"cut / {name} bound of each repeat: " + ", ".join("n/a" if c is None else f"{c:.2f}" for c in cuts))
     gpu = torch.cuda.get_device_name() if p.device == "cuda" else None
     result = {
         "machine": machine_info(gpu=gpu, device=p.device, dtype=m.dtype),

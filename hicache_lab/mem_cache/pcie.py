@@ -47,6 +47,7 @@ DMA_MIN_RUN_BYTES = 4 << 20
 # row at a time they loaded at 0.65x of the PCIe ceiling, 4 rows at a time at 0.86x (8 and 16: no better).
 COPY_PROGRAMS = 16
 COPY_TILE = 4
+COPY_WARPS = 4  # Triton's default; neither more warps, nor more blocks or rows, loads faster (BENCHMARKS.md)
 CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: the direction follows from the (unified) addresses
 
 _SAME_SIZE_INT = {1: (torch.uint8, "|u1"), 2: (torch.int16, "<i2"), 4: (torch.int32, "<i4"), 8: (torch.int64, "<i8")}
@@ -168,4 +169,5 @@ def copy_rows(to_host: bool, host_layers: torch.Tensor, device_layers: torch.Ten
         return
     assert src.stride(3) == dst.stride(3) == src.shape[4] and src.stride(4) == dst.stride(4) == 1
     grid, strides = (COPY_PROGRAMS, 2), (*src.stride()[:3], *dst.stride()[:3])
-    _copy_rows_kernel[grid](src, dst, src_idx, dst_idx, len(src_idx), src.shape[1], *strides, ROW=row, TILE=COPY_TILE)
+    args = (src, dst, src_idx, dst_idx, len(src_idx), src.shape[1], *strides)
+    _copy_rows_kernel[grid](*args, ROW=row, TILE=COPY_TILE, num_warps=COPY_WARPS)
