@@ -12,6 +12,10 @@ that of the medians: `e2e_bounds.of_medians` says why):
 * **all on device** - a device pool that holds every conversation whole (no host tier, no eviction, no copies):
   each round runs as one wave, as it would on a larger GPU. Shown beside the others, it is no bound for this pool.
 
+First the four take one unrecorded turn (`--warmup`): a process's first runs grow CUDA's caching allocators, and a
+cudaMalloc makes the CPU wait for the copies in flight (on an H200, a prefill's CPU stood 22 ms before its first
+layer, as long as its load, in the first L1 + L2 run of a process, and not in the next).
+
 Then, on the same GPU, a plain pinned-host -> device `copy_` of the bytes each round's first tokens waited for
 (`e2e_bounds.waited_tokens`: a request waits for the loads started up to its own prefill) is timed: median of
 `--copy-repeats`, CUDA events. Two bounds follow per round: the **serial** bound, floor + copy (the load done
@@ -99,6 +103,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "each ratio that of the medians",
     )
     parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unrecorded turns of the four runs first (a process's first runs grow CUDA's caching allocators, and "
+        "each cudaMalloc makes the CPU wait for the copies in flight)",
+    )
+    parser.add_argument(
         "--timeline-round", type=int, default=3, help="the round printed step by step for each run (counts from 0)"
     )
     parser.add_argument("--copy-repeats", type=int, default=5, help="timed copies per round (their median counts)")
@@ -108,6 +119,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--enable-hierarchical-cache: the bench runs with and without the host tier itself")
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: give at least 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup}: give 0 or more")
     if not 0 <= args.timeline_round < args.num_rounds:
         parser.error(f"--timeline-round {args.timeline_round}: the workload's rounds are 0 to {args.num_rounds - 1}")
     return args
@@ -201,17 +214,30 @@ def measure_run(label: str, cfg: RunConfig, timeline_round: int) -> tuple[list[d
     return rounds, bounds.waves(steps, rids.get(timeline_round, set()))
 
 
-def measure(configs: dict[str, RunConfig], repeats: int, timeline_round: int) -> list[dict]:
+def device_allocations() -> int:
+    """cudaMalloc calls so far in this process (0 on CPU)."""
+    return torch.cuda.memory_stats().get("num_device_alloc", 0) if torch.cuda.is_available() else 0
+
+
+def measure(configs: dict[str, RunConfig], repeats: int, timeline_round: int, warmup: int) -> list[dict]:
     """Each repeat's rounds of every run and its timeline round's waves: the runs take turns, `repeats` times (on
-    a GPU the same run varies by tens of percent from one repeat to the next). A failed run, or an `all on device`
-    pool that evicted, stops the bench."""
+    a GPU the same run varies by tens of percent from one repeat to the next), after `warmup` unrecorded turns. A
+    failed run, or an `all on device` pool that evicted, stops the bench."""
+    for turn in range(warmup):
+        for label, cfg in configs.items():
+            before = device_allocations()
+            print(f"=== {label}: warm-up {turn + 1} of {warmup} ===")
+            measure_run(label, cfg, timeline_round)
+            print(f"cudaMalloc calls in the warm-up run: {device_allocations() - before}")
     measured = []
     for repeat in range(repeats):
         rounds, waves = {}, {}
         for label, cfg in configs.items():
             pool = cfg.cache.max_total_tokens
             print(f"=== {label} (device pool {pool} tokens), repeat {repeat + 1} of {repeats} ===")
+            before = device_allocations()
             rounds[label], waves[label] = measure_run(label, cfg, timeline_round)
+            print(f"cudaMalloc calls in the run: {device_allocations() - before}")
         for row in rounds["all on device"]:
             check(
                 math.isclose(row["hit_rate"], row["upper_bound_hit_rate"]),
@@ -229,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     check(p.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
     check(not base.workload.trace_file, "conversations only: the all-on-device pool is sized from their lengths")
     configs = run_configs(base)
-    measured = measure(configs, args.repeats, args.timeline_round)
+    measured = measure(configs, args.repeats, args.timeline_round, args.warmup)
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
     waited = [[round(r["waited_tokens"] * bytes_per_token) for r in run["rounds"]["L1 + L2"]] for run in measured]
     sizes = sorted({n for per_round in waited for n in per_round})
@@ -259,6 +285,7 @@ def main(argv: list[str] | None = None) -> dict:
         "runs": [run_["rounds"] for run_ in measured],
         "timeline_round": args.timeline_round,
         "timelines": [run_["timeline"] for run_ in measured],
+        "warmup": args.warmup,
         "repeats": repeats,
         "rounds": rows,
         "later_from": args.later_from,

@@ -15,7 +15,7 @@ TTFT = tuple(e2e_bounds.TTFT_KEYS.values())
 
 def bench(tmp_path, *flags: str) -> dict:
     out = tmp_path / "e2e_ttft.json"
-    returned = e2e_ttft.main(["--smoke", "--out", str(out), *flags])
+    returned = e2e_ttft.main(["--smoke", "--out", str(out), "--warmup", "0", *flags])
     stored = json.loads(out.read_text())
     assert stored == json.loads(json.dumps(returned)), "what it returns is what it wrote"
     return stored
@@ -92,6 +92,14 @@ def test_repeats_take_turns_each_figure_is_the_median_of_the_repeats_and_each_ra
     assert result["later_mean"]["cut_vs_serial"] == pytest.approx((l1 - got) / (l1 - serial)), "of the medians"
 
 
+def test_warm_up_turns_run_every_configuration_first_and_are_not_recorded(tmp_path, monkeypatch):
+    calls, measure_run = [], e2e_ttft.measure_run
+    monkeypatch.setattr(e2e_ttft, "measure_run", lambda label, *a: calls.append(label) or measure_run(label, *a))
+    result = bench(tmp_path, "--warmup", "1")
+    assert calls == [*e2e_bounds.RUNS, *e2e_bounds.RUNS] and len(result["runs"]) == 1
+    assert result["warmup"] == 1
+
+
 def step(n: int, kind: str, rids: list[int], loaded: int = 0, ms: float = 1.0) -> dict:
     return {"step": n, "kind": kind, "requests": rids, "host_load_tokens": loaded, "ms": ms}
 
@@ -153,6 +161,7 @@ def test_a_gpu_timeline_counts_each_stream_its_overlap_with_the_forward_and_the_
     "flags, says",
     [
         (["--repeats", "0"], "give at least 1"),
+        (["--warmup", "-1"], "give 0 or more"),
         (["--timeline-round", "4"], "rounds are 0 to 3"),
         (["--enable-hierarchical-cache"], "runs with and without the host tier itself"),
     ],
