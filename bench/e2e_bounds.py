@@ -28,6 +28,12 @@ TTFT_KEYS = {
 }
 
 
+def loaded_tokens(row: dict) -> int:
+    """Tokens a round's requests had copied host -> device: those found on the host and those a prefetch brought
+    to the host from storage (report.round_rows; a retracted request's second load is not counted again)."""
+    return row["cached_host"] + row["cached_storage"]
+
+
 def first_token_steps(steps: list[dict]) -> dict[int, int]:
     """Each request's first-token step: its last prefill step (chunk) before its first decode step."""
     first = {}

@@ -12,9 +12,10 @@ that of the medians: `e2e_bounds.of_medians` says why):
 * **all on device** - a device pool that holds every conversation whole (no host tier, no eviction, no copies):
   each round runs as one wave, as it would on a larger GPU. Shown beside the others, it is no bound for this pool.
 
-First the four take one unrecorded turn (`--warmup`): a process's first runs grow CUDA's caching allocators, and a
-cudaMalloc makes the CPU wait for the copies in flight (on an H200, a prefill's CPU stood 22 ms before its first
-layer, as long as its load, in the first L1 + L2 run of a process, and not in the next).
+First the four take one unrecorded turn (`--warmup`): a process's first runs grow CUDA's caching allocator (114
+cudaMalloc calls on an H200, against 0-2 in a later run), and CUDA documents a device allocation as synchronizing
+implicitly: in the first L1 + L2 run of a process, prefills stood 19-25 ms before their first layer, about as
+long as their loads, and 1.1-4.8 ms in the next.
 
 Then, on the same GPU, a plain pinned-host -> device `copy_` of the bytes each round's first tokens waited for
 (`e2e_bounds.waited_tokens`: a request waits for the loads started up to its own prefill) is timed: median of
@@ -106,8 +107,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--warmup",
         type=int,
         default=1,
-        help="unrecorded turns of the four runs first (a process's first runs grow CUDA's caching allocators, and "
-        "each cudaMalloc makes the CPU wait for the copies in flight)",
+        help="unrecorded turns of the four runs first (a process's first runs grow CUDA's caching allocator, whose "
+        "cudaMalloc calls synchronize implicitly while copies are in flight)",
     )
     parser.add_argument(
         "--timeline-round", type=int, default=3, help="the round printed step by step for each run (counts from 0)"
@@ -166,12 +167,6 @@ class HostPoolOnDevice(Binder):
 HOST_POOL_ON_DEVICE = HostPoolOnDevice()
 
 
-def loaded_tokens(row: dict) -> int:
-    """Tokens a round's requests had copied host -> device: those found on the host and those a prefetch brought
-    to the host from storage (report.round_rows; a retracted request's second load is not counted again)."""
-    return row["cached_host"] + row["cached_storage"]
-
-
 def time_copies(sizes: list[int], device: str, repeats: int) -> list[float | None]:
     """Median ms of a plain pinned-host -> device `copy_` of each byte count (CUDA events, after a warm-up copy);
     None for each on CPU, where there is no such copy."""
@@ -208,7 +203,7 @@ def measure_run(label: str, cfg: RunConfig, timeline_round: int) -> tuple[list[d
     rids: dict[int, set[int]] = {}
     for request in map(json.loads, lines):
         rids.setdefault(request["round"], set()).add(request["rid"])
-    rounds = [r | {"loaded_tokens": loaded_tokens(r)} for r in summary["rounds"]]
+    rounds = [r | {"loaded_tokens": bounds.loaded_tokens(r)} for r in summary["rounds"]]
     for row in rounds:
         row["waited_tokens"] = bounds.waited_tokens(steps, rids[row["round"]])
     return rounds, bounds.waves(steps, rids.get(timeline_round, set()))
