@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache_lab.config import ModelConfig
 from hicache_lab.mem_cache import pcie
 from hicache_lab.mem_cache.copy_engine import CopyJob, CudaCopyEngine, ThreadCopyEngine, VirtualCopyEngine
 from hicache_lab.mem_cache.memory_pool import DeviceKVPool, PageAllocator
 from hicache_lab.mem_cache.memory_pool_host import HostKVPool
+from hicache_lab.model import ForwardBatch, TinyModel
+
+NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (run the suite on a machine with one)"
+)
 
 
 def filled_device_pool(size=32, layers=2):
@@ -70,7 +76,7 @@ def test_host_round_trip_is_exact_in_both_layouts(layout):
         assert torch.equal(device.v[layer][back], device.v[layer][src])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run the suite on a machine with one)")
+@NEEDS_CUDA
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 @pytest.mark.parametrize("mechanism", ["uva", "uva-torch", "dma"])
 def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
@@ -96,7 +102,7 @@ def test_gpu_copies_round_trip_exactly(layout, mechanism, monkeypatch):
     assert torch.equal(torch.stack(host.buffers(2))[:, dst].cuda(), device.kv[:, 2, src])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run the suite on a machine with one)")
+@NEEDS_CUDA
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_a_gpu_load_moves_one_layer_per_step_even_where_a_backup_goes_by_dma(layout, monkeypatch):
     """Layer i's attention waits for layer i's load alone: a load's first step has moved layer 0 and no other,
@@ -167,3 +173,23 @@ def test_thread_engine_surfaces_a_failed_copy():
             event.synchronize()
     finally:
         engine.close()
+
+
+@NEEDS_CUDA
+def test_a_prefill_launches_every_layer_while_its_load_is_still_in_flight():
+    """The forward waits for a layer's load on the GPU (an event its stream waits on), never on the CPU: with the
+    load's first layer a second late, the CPU has launched every layer before the load is done. A blocking copy
+    in the forward (the positions, once per layer, until issue 32) waits for the stream and so for the load. The
+    forward runs once before, so that the caching allocator has its memory: a cudaMalloc waits for the GPU too."""
+    cfg = ModelConfig(num_layers=3)
+    model, device = TinyModel(cfg, "cuda"), DeviceKVPool(64, 3, cfg.num_heads, cfg.head_dim, device="cuda")
+    slots = torch.arange(8)
+    batch = ForwardBatch(torch.arange(8), torch.arange(8), slots, [slots], [8])
+    model.forward_layers(model.embed(batch.tokens), batch, device)
+    torch.cuda.synchronize()
+    late = [lambda: torch.cuda._sleep(1000 * CudaCopyEngine.CYCLES_PER_MS)] + [lambda: None] * 2
+    batch.load_event = CudaCopyEngine(0.0, seed=0, rank=0).submit("load", CopyJob(late, lambda: None))
+    hidden = model.forward_layers(model.embed(batch.tokens), batch, device)
+    assert not batch.load_event.query(), "the CPU waited for the load before launching the last layer"
+    torch.cuda.synchronize()
+    assert batch.load_event.query() and hidden.isfinite().all()
