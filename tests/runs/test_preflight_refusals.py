@@ -157,5 +157,5 @@ def test_exhaustive_refuses_work_past_its_bound_before_enumerating(stages, copie
     started = time.monotonic()
     with pytest.raises(ConfigError, match=re.escape(message)):
         check_work(stages, copies, max_delay, ["fixed", "legacy"])
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 10  # refused up front: enumerating the first three would take hours
     assert check_work(2, 3, 3, ["fixed", "legacy"]) == 529 * 2 * 7 * 2  # the README's run stays allowed
