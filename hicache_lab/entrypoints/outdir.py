@@ -7,7 +7,9 @@
 * It deletes, of what an earlier run left, only files the lab writes (`LAB_FILES`), and every rank writes the
   run's id (in the marker) into its result, so a summary never merges another run's files.
 * A file of the run that cannot be written (full disk, file-size limit, read-only mount) ends the run with
-  `OutputError`, which names the file and what to do, never with a traceback.
+  `OutputError`, which names the file and what to do, never with a traceback: every file of the run is opened by
+  `open_run_file`, whose writes, flushes and close (where a buffered write reaches the disk) raise it. A file
+  written whole (`write_file`) that could not be is removed, so no empty summary is left to be read as one.
 * It never writes through a link: the marker and every run file are opened with `O_NOFOLLOW`, a marker that
   is not a regular file is refused, and the start-of-run cleanup removes links under the lab's names, so a
   link planted in a shared `--out` cannot make a run overwrite the file it points to.
@@ -25,6 +27,7 @@ import stat
 import time
 import uuid
 from pathlib import Path
+from typing import TextIO
 
 from ..errors import ConfigError
 
@@ -35,16 +38,22 @@ LAB_FILES = re.compile(  # every file a run writes into --out (a test holds it t
 )
 
 
-class OutputError(Exception):
-    """A file of the run could not be written; the message names it and says what to do."""
+class OutputError(OSError):
+    """A file of the run could not be written; the message names it and says what to do. An OSError of the
+    file's (errno, strerror, filename), so a handler of file errors takes it as one."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def cannot_write(path, exc: OSError) -> OutputError:
     code = errno.errorcode.get(exc.errno, str(exc.errno))
-    return OutputError(
+    error = OutputError(
         f"cannot write {path}: {exc.strerror} ({code}): make room on its disk (or lift the file-size limit, "
         "ulimit -f), or give --out a writable directory with room"
     )
+    error.errno, error.strerror, error.filename = exc.errno, exc.strerror, str(path)
+    return error
 
 
 def _no_links(path: str, flags: int) -> int:
@@ -52,11 +61,49 @@ def _no_links(path: str, flags: int) -> int:
     return os.open(path, flags | os.O_NOFOLLOW, 0o666)
 
 
-def open_run_file(path: Path):
+class RunFile:
+    """A file of the run, open for writing: `write`, `flush` and `close` raise OutputError naming it where the
+    file object would raise OSError, and once one has, every later call raises it again (the file is cut short
+    from there). Anything else is the file object's."""
+
+    def __init__(self, file: TextIO, path: Path):
+        self._file, self.path, self.name = file, path, str(path)
+        self._failure: OSError | None = None
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+    def _do(self, call, *args):
+        if self._failure is None:
+            try:
+                return call(*args)
+            except OSError as exc:
+                self._failure = exc
+                with contextlib.suppress(OSError):  # what is left in its buffer cannot be written either
+                    self._file.close()
+        raise cannot_write(self.path, self._failure) from None
+
+    def write(self, text: str) -> int:
+        return self._do(self._file.write, text)
+
+    def flush(self) -> None:
+        self._do(self._file.flush)
+
+    def close(self) -> None:
+        self._do(self._file.close)
+
+    def __enter__(self) -> RunFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_run_file(path: Path) -> RunFile:
     """`path` opened for writing from its start, never through a symbolic link (OutputError if it is one)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        return open(path, "w", opener=_no_links)  # noqa: SIM115 - the caller closes it
+        return RunFile(open(path, "w", opener=_no_links), path)  # noqa: SIM115 - the caller closes it
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OutputError(f"{path} is a symbolic link: a run never writes through one; remove it") from None
@@ -64,12 +111,16 @@ def open_run_file(path: Path):
 
 
 def write_file(path: Path, text: str) -> None:
-    """`path` holding `text`, or OutputError."""
-    with open_run_file(path) as f:
-        try:
-            f.write(text)
-        except OSError as exc:
-            raise cannot_write(path, exc) from None
+    """`path` holding `text`, or OutputError (and, a regular file, `path` removed: it would be read cut short)."""
+    file = open_run_file(path)
+    try:
+        with file:
+            file.write(text)
+    except OutputError:
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(path.lstat().st_mode):
+                path.unlink()
+        raise
 
 
 def _is_marker(path: Path) -> bool:

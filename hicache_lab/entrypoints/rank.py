@@ -33,7 +33,7 @@ from .args import FIELD_FLAGS
 from .binders import Binder, RankParts
 from .ending import Interrupted, SignalGuard
 from .oracle import check_outputs
-from .outdir import cannot_write, open_run_file, write_file
+from .outdir import OutputError, cannot_write, open_run_file, write_file
 from .report import round_rows, scheduling_counts, write_requests
 
 # what a rank sees when a peer fails it: a collective or the store waiting for one that never came, a connection lost
@@ -198,7 +198,9 @@ def record_crash(result: dict, exc: Exception, timeout_s: float, out_dir: Path) 
     """`exc` ended the rank. A timeout or a lost connection is `waited`: this rank waited for a peer, a symptom;
     the cause is that peer. A file of the run that could not be written says which, and what to do."""
     error = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, OSError) and exc.filename and Path(exc.filename).parent == Path(out_dir):
+    if isinstance(exc, OutputError):
+        error = str(exc)
+    elif isinstance(exc, OSError) and exc.filename and Path(exc.filename).parent == Path(out_dir):
         error = str(cannot_write(exc.filename, exc))
     elif any(words in str(exc) for words in PEER_LOST):
         result["waited"] = True
@@ -225,27 +227,37 @@ def write_result(out_dir: Path, result: dict) -> None:
 
 def _write(cfg: RunConfig, out_dir: Path, result: dict, built: Built | None, closing: bool) -> None:
     """What the rank did, into its result (and, rank 0, the request log), then `write_result`. `closing`: the
-    main thread's own end (it closes the cache and checks outputs); else a signal found it stuck."""
-    p = cfg.parallel
+    main thread's own end (it closes the cache and checks outputs); else a signal found it stuck. A file of the
+    run that cannot be written on the way (a recording closed with the cache, the request log) ends the rank as
+    a crash naming it, and the result is still written."""
     if built is not None:
-        loop, cache = built.loop, built.cache
-        loop.trace.close()
-        result.update(cache.summary())
-        for report in built.reports:
-            result.update(report())
-        if closing:
-            cache.close()
-        answered = [r for r in loop.reqs if r.finished]
-        result["rounds"] = round_rows(answered, loop.records)
-        result["scheduling"] = scheduling_counts(loop)
-        if result["rank"] == 0:
-            write_requests(out_dir, loop.reqs)
-        if closing and cfg.check_outputs and result["completed"]:
-            layout = RankLayout(p.tp, p.cp, p.pp, result["rank"])
-            is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
-            reqs = answered if is_reference_rank else []
-            result["oracle"] = check_outputs(cfg.model, p.device, reqs, cache.copy_check())
+        try:
+            _gather(cfg, out_dir, result, built, closing)
+        except OutputError as exc:
+            if not result["crashed"]:
+                result["completed"] = False
+                record_crash(result, exc, cfg.parallel.collective_timeout_s, out_dir)
     write_result(out_dir, result)
+
+
+def _gather(cfg: RunConfig, out_dir: Path, result: dict, built: Built, closing: bool) -> None:
+    p, loop, cache = cfg.parallel, built.loop, built.cache
+    loop.trace.close()
+    result.update(cache.summary())
+    for report in built.reports:
+        result.update(report())
+    answered = [r for r in loop.reqs if r.finished]
+    result["rounds"] = round_rows(answered, loop.records)
+    result["scheduling"] = scheduling_counts(loop)
+    if closing:
+        cache.close()
+    if result["rank"] == 0:
+        write_requests(out_dir, loop.reqs)
+    if closing and cfg.check_outputs and result["completed"]:
+        layout = RankLayout(p.tp, p.cp, p.pp, result["rank"])
+        is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
+        reqs = answered if is_reference_rank else []
+        result["oracle"] = check_outputs(cfg.model, p.device, reqs, cache.copy_check())
 
 
 def _lab_calls(exc: BaseException, depth: int = 4) -> str:

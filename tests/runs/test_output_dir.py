@@ -1,18 +1,25 @@
 """A run owns its output directory (entrypoints/outdir.py): it refuses a directory of the user's, locks it while it
-runs, deletes only the lab's own files there, and its summary merges only results that carry its run id."""
+runs, deletes only the lab's own files there, and its summary merges only results that carry its run id. A file
+of the run that cannot be written ends it with one line naming the file, never a traceback."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import io
 import json
+import os
+from pathlib import Path
 
 import pytest
 
+from hicache_lab.entrypoints import outdir
 from hicache_lab.entrypoints.launch import run
-from hicache_lab.entrypoints.outdir import LAB_FILES, MARKER, Claim
+from hicache_lab.entrypoints.outdir import LAB_FILES, MARKER, Claim, OutputError
 from hicache_lab.entrypoints.report import WorldEnd, read_results
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB
+from hicache_lab.lab.presets import WORLD
 from hicache_lab.managers.step_trace import read_trace
 
 
@@ -64,3 +71,41 @@ def test_the_cleanup_knows_every_file_a_run_writes(small_config, tmp_path):
     written = {p.name for p in tmp_path.iterdir() if p.is_file() and p.name != MARKER}
     assert {"summary.json", "sync_audit_rank0.jsonl", "rank0.cache_ops.jsonl"} <= written
     assert [name for name in written if not LAB_FILES.fullmatch(name)] == []
+
+
+class _FullDisk(io.StringIO):
+    """A file on a full disk: what is written waits in its buffer, and reaching the disk (close) fails."""
+
+    def close(self) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_file_written_whole_that_cannot_be_is_named_and_removed(tmp_path, monkeypatch):
+    """The error of a full disk comes at close, where the buffer reaches it: OutputError naming the file, and
+    the empty file it left removed (it would be read as one cut short)."""
+    monkeypatch.setattr(outdir, "open", lambda path, *a, **k: (Path(path).touch(), _FullDisk())[1], raising=False)
+    with pytest.raises(OutputError, match=r"cannot write .*summary.json: No space left on device \(ENOSPC\)"):
+        outdir.write_file(tmp_path / "summary.json", "{}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name", ["trace_rank0.jsonl", "rank0.cache_ops.jsonl", "requests.jsonl", "rank0.json", "summary.json"]
+)
+def test_a_full_disk_under_every_file_of_a_run_ends_it_with_one_line_naming_the_file(
+    name, tmp_path, monkeypatch, capsys
+):
+    """Each file a run writes, on a full disk (/dev/full: a write fails with ENOSPC once it reaches the disk):
+    exit 1 and `cannot write FILE: No space left on device`, never a traceback."""
+    from hicache_lab.__main__ import main
+
+    opener = outdir._no_links
+    monkeypatch.setattr(
+        outdir, "_no_links", lambda path, flags: opener("/dev/full" if path.endswith(name) else path, flags)
+    )
+    out = tmp_path / "out"
+    args = ["run", *WORLD.split(), "--num-rounds", "2", "--record-cache-ops", "--out", str(out)]
+    assert main(args) == 1
+    output = capsys.readouterr()
+    assert f"cannot write {out / name}: No space left on device (ENOSPC)" in output.out + output.err
+    assert "Traceback" not in output.out + output.err

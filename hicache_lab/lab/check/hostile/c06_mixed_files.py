@@ -1,11 +1,12 @@
 """Class 6, lost or mixed files: `--out` naming the user's own directory, a second run on a directory in use,
 a run again beside the user's file, torchrun on a larger run's directory; links planted where a run writes,
-and a hard-linked backup of the store under `--fault damage-page`."""
+a hard-linked backup of the store under `--fault damage-page`, and a run whose files outgrow the file-size limit."""
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 from pathlib import Path
@@ -95,6 +96,19 @@ def _hard_linked_backup(scratch: Path) -> Outcome:
     return outcome
 
 
+def _file_size_limit(scratch: Path) -> Outcome:
+    """Two stages under `ulimit -f 2` (2 KiB, set on the launcher as it starts; its ranks inherit it): its
+    summary cannot be written whole. One line names the file, and no traceback is printed."""
+
+    def limit(proc: subprocess.Popen) -> None:
+        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (2048, 2048))
+
+    outcome = run_cli(scratch, *WORLD2, "--out", "out", during=limit)
+    if "Traceback" in outcome.output:
+        return Outcome(None, f"{outcome.output}\na traceback was printed", outcome.leftover)
+    return outcome
+
+
 CASES = [
     Hostile(
         6,
@@ -167,5 +181,13 @@ CASES = [
         "--fault damage-page: page",
         owns=(*STORE, "backup"),
         exact=True,
+    ),
+    Hostile(
+        6,
+        "a file-size limit (`ulimit -f 2`) the run's summary outgrows",
+        _file_size_limit,
+        1,
+        "error: cannot write out/summary.json: File too large (EFBIG): make room on its disk (or lift the "
+        "file-size limit, ulimit -f)",
     ),
 ]
