@@ -93,7 +93,7 @@ class ParallelConfig:
         require(not both, f"--enable-fix and --disable-fix {', '.join(both)}: both at once; keep the one you mean")
         for spec in self.sync_impls:
             slot, _, target = spec.partition("=")
-            module, _, function = target.partition(":")
+            module, _, function = target.rpartition(":")  # a path may hold a colon, a function name never
             require(
                 bool(module and function),
                 f"--sync-impl {spec!r}: write SLOT=MODULE:FUNCTION, e.g. pp_sync=my_sync:pp_sync",

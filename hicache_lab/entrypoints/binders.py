@@ -15,7 +15,10 @@ What a binder does, in order:
   recorder in front of it), or the cache itself;
 * `bind(cfg, parts, out_dir)` - in each rank, once its parts are built: it binds into them (instance attributes
   shadow methods) and returns what the rank's result records, as a function asked when the rank writes it, or
-  None.
+  None;
+* `runs_unbounded_code(cfg)` - whether what it binds is code the lab cannot bound from inside the process (a
+  `--sync-impl`, SGLang's cache): a world of one rank then runs in a process of its own, which the launcher
+  watches and can stop.
 
 Binders travel to spawned ranks by pickling: instances of module-level classes, holding no live state.
 """
@@ -71,6 +74,11 @@ class Binder:
 
     def bind(self, cfg: RunConfig, parts: RankParts, out_dir: Path) -> Callable[[], dict] | None:
         return None
+
+    def runs_unbounded_code(self, cfg: RunConfig) -> bool:
+        """Whether, in `cfg`, it puts code into a rank that the lab cannot bound from inside the process (a
+        user's, another library's): then even a world of one rank runs in a process of its own (launch.run)."""
+        return False
 
 
 def _value(cfg: RunConfig, dotted: str):

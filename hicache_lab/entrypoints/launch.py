@@ -20,6 +20,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,7 @@ from .outdir import Claim, OutputError
 from .preflight import idle_flags, preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
 from .report import WorldEnd, print_summary, summarize
+from .watch import Watch, release_stopped_server, silence_bound, start_beating
 
 GRACE_S = 2.0  # after the first rank fails (or a signal), how long the others get to report before they are stopped
 
@@ -92,29 +94,43 @@ def _as_launched(environ: dict[str, str], launcher: int) -> None:
     """A rank starts in the launcher's environment as it was at the start (not the fork server's), and dies with
     the launcher."""
     die_with_parent(launcher)
+    sys.excepthook = sys.__excepthook__  # the fork server's quiets a start cut short (fork_server.py), not a rank
     os.environ.clear()
     os.environ.update(environ)
 
 
 def _rank_main(
-    cfg: RunConfig, rank: int, port: int, out_dir: Path, run_id: str, launcher: tuple, binders: tuple[Binder, ...]
+    cfg: RunConfig,
+    rank: int,
+    port: int,
+    out_dir: Path,
+    run_id: str,
+    launcher: tuple,
+    binders: tuple[Binder, ...],
+    beats,
 ) -> None:
-    """A spawned rank: it dies with the launcher (`launcher`: its environment and pid), and leaves at once
-    (os._exit) when it did not complete, since peers may be blocked on it (the launcher stops them)."""
+    """A spawned rank: it dies with the launcher (`launcher`: its environment and pid), beats its heartbeat into
+    `beats` (watch.py), and leaves with os._exit once its result is written: peers may be blocked on a rank that
+    did not complete (the launcher stops them), and a thread the run's code left running (`left_threads`, in
+    the result) must not hold the process open."""
     _as_launched(*launcher)
+    start_beating(beats, rank)
     timeout = datetime.timedelta(seconds=cfg.parallel.collective_timeout_s)
     world = cfg.parallel.world_size
 
     def store() -> dist.Store:
         return dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
 
-    with SignalGuard() as guard:
+    with SignalGuard() as guard:  # left by os._exit: a signal after the result finds the guard, not a traceback
         try:
             result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
+            if left := [t.name for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]:
+                write_result(out_dir, {**result, "left_threads": left})
         except OutputError as exc:  # its result could not be written: the launcher finds none
             print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
             os._exit(1)
-    if not result["completed"]:
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(exit_code(result))
 
 
@@ -148,30 +164,29 @@ def spawn_ranks(target, size: int, args: tuple, timeout_s: float) -> list[int | 
         proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
-            proc.join()
+            proc.join(GRACE_S)
     return [proc.exitcode for proc in procs]
 
 
 def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str, binders: tuple[Binder, ...] = ()) -> WorldEnd:
-    """Start every rank as a process (each dies with this one); once one fails, stop the rest after GRACE_S
-    seconds. On SIGINT/SIGTERM (`Interrupted`) every rank is asked to end (SIGTERM: each writes what it has), and
-    what is left after GRACE_S is stopped. The WorldEnd holds the exit codes of the ranks that failed first, on
-    their own (not those the launcher stopped), and what each rank the launcher stopped was doing."""
-    ctx = rank_processes()
+    """Start every rank as a process (each dies with this one) and watch them (watch.Watch: exits, heartbeats,
+    the fork server); once one fails, stop the rest after GRACE_S seconds. On SIGINT/SIGTERM (`Interrupted`)
+    every rank is asked to end (SIGTERM: each writes what it has), and what is left after GRACE_S is stopped.
+    The WorldEnd holds how the ranks that failed first failed, on their own (not those the launcher stopped),
+    and what each rank the launcher stopped was doing."""
+    ctx, world = rank_processes(), cfg.parallel.world_size
     server = serve_store(cfg.parallel.collective_timeout_s)
-    args = (out_dir, run_id, (dict(os.environ), os.getpid()), binders)
-    procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(cfg.parallel.world_size)]
+    beats = ctx.Array("d", world, lock=False)
+    args = (out_dir, run_id, (dict(os.environ), os.getpid()), binders, beats)
+    procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(world)]
     end, failed_at = WorldEnd(run_id), None
+    watch = Watch(procs, beats, out_dir, run_id, silence_bound(cfg.parallel.collective_timeout_s, GRACE_S))
     try:
         for proc in procs:
             proc.start()
-        while True:
-            running = any(proc.is_alive() for proc in procs)  # before the exit codes: none may end unrecorded
-            for rank, proc in enumerate(procs):
-                if proc.exitcode not in (None, 0):
-                    end.failed.setdefault(rank, proc.exitcode)
+        while watch.look(end):
             failed_at = failed_at or (time.monotonic() if end.failed else None)
-            if not running or (failed_at is not None and time.monotonic() - failed_at >= GRACE_S):
+            if failed_at is not None and time.monotonic() - failed_at >= GRACE_S:
                 break
             time.sleep(0.05)
     except Interrupted as exc:
@@ -183,7 +198,7 @@ def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str, binders: tuple[Binde
         while any(proc.is_alive() for proc in procs) and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        end.stopped = _stop(procs)
+        end.stopped = _stop(procs, end)
     return end
 
 
@@ -194,16 +209,23 @@ def serve_store(timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timeout, wait_for_workers=False)
 
 
-def _stop(procs: list) -> dict[int, str]:
-    """Kill every rank still running; what each was doing then, by rank."""
+def _stop(procs: list, end: WorldEnd) -> dict[int, str]:
+    """Kill every rank still running; what each was doing then, by rank. Every wait is bounded: an exit the fork
+    server does not report within GRACE_S (a stopped server) ends the server (watch.release_stopped_server)."""
     stopped = {}
     for rank, proc in enumerate(procs):
         if proc.is_alive():
-            stopped[rank] = f"its process was {process_state(proc.pid)} when the launcher stopped it"
+            state = process_state(proc.pid)
+            if not state.startswith(("a zombie", "dead")) and state != "gone":
+                stopped[rank] = f"its process was {state} when the launcher stopped it"
             proc.kill()
-    for proc in procs:
-        if proc.pid is not None:
-            proc.join()
+    for attempt in range(2):
+        deadline = time.monotonic() + GRACE_S
+        for proc in procs:
+            if proc.pid is not None:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        if attempt == 0 and any(proc.is_alive() for proc in procs) and (words := release_stopped_server()):
+            end.notes.append(words)
     return stopped
 
 
@@ -231,7 +253,7 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
             return summarize(cfg, out, time.perf_counter() - started, end)
 
         guard.owe(lambda name: print_summary(summary(WorldEnd(run_id, interrupted=name))))  # main thread stuck
-        if cfg.parallel.world_size == 1:
+        if cfg.parallel.world_size == 1 and not runs_unbounded_code(cfg, binders):
             result = join_and_run(cfg, 0, dist.HashStore, out, run_id, guard, binders)
             end = WorldEnd(run_id, interrupted=result.get("interrupted"))
         else:
@@ -239,11 +261,18 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
         guard.finish()
         merged = summary(end)
     if adopted.left:  # what the run's code forked and left (ended now): said aloud, in the summary too
-        merged["left_behind"] = adopted.left
+        merged["left_behind"] += adopted.left
         print(f"ended {len(adopted.left)} process(es) the run left behind: {', '.join(adopted.left)}", file=sys.stderr)
     if verbose:
         print_summary(merged)
     return merged
+
+
+def runs_unbounded_code(cfg: RunConfig, binders: tuple[Binder, ...]) -> bool:
+    """Whether a rank runs code the lab cannot bound from inside the process (a plug-in's, SGLang's, Mooncake's
+    client): a thread that holds the interpreter, exits the process or never ends. Such a rank runs in a process
+    of its own, even alone, which the launcher watches and can stop (watch.py)."""
+    return cfg.cache.storage_backend == "mooncake" or any(binder.runs_unbounded_code(cfg) for binder in binders)
 
 
 def _servers() -> set[int]:

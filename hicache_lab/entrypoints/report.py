@@ -158,6 +158,7 @@ class WorldEnd:
     failed: dict[int, int | str] = field(default_factory=dict)  # ranks that failed first: exit code, or in words
     stopped: dict[int, str] = field(default_factory=dict)  # ranks that never reported: what their process was doing
     interrupted: str | None = None  # the signal (SIGINT, SIGTERM) that ended the run early
+    notes: list[str] = field(default_factory=list)  # what the launcher had to do beyond stopping ranks (watch.py)
 
 
 def read_results(out_dir: Path, end: WorldEnd, world_size: int) -> list[dict]:
@@ -182,7 +183,8 @@ def blame(results: list[dict], missing: list[int], end: WorldEnd, elapsed_s: flo
     waits = [f"rank {r['rank']} in {r['hung_in']}" for r in ended if "hung_in" in r]  # which collectives never met
     causes = [r for r in ended if not r.get("waited") and not (end.interrupted and r.get("interrupted"))]
     if lost := [rank for rank in end.failed if rank in missing]:
-        return f"rank {lost[0]} {_exit_reason(end.failed[lost[0]])} without a result; the others were stopped", lost[0]
+        others = "; the others were stopped" if len(results) + len(missing) > 1 else ""
+        return f"rank {lost[0]} {_exit_reason(end.failed[lost[0]])} without a result{others}", lost[0]
     if causes or (ended and not missing and not end.interrupted):
         first = min(causes or ended, key=lambda r: r["failed_at"])
         others = [w for w in waits if not w.startswith(f"rank {first['rank']} ")]
@@ -227,6 +229,8 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) ->
         "oracle": oracle,
         "faults": _merge_faults(cfg, results),
         "elapsed_s": elapsed_s,
+        "notes": end.notes,
+        "left_behind": [f"thread {name!r} of rank {r['rank']}" for r in results for name in r.get("left_threads", ())],
     }
     if first and "traceback" in first:
         summary["traceback"] = first["traceback"]
@@ -260,6 +264,10 @@ def print_summary(summary: dict) -> None:
         print(f"outputs_match_reference: {summary['outputs_match_reference']}")
     for flag in summary.get("idle_flags", []):
         print(f"warning: {flag}")
+    for note in summary.get("notes", []):
+        print(f"note: {note}")
+    for left in summary.get("left_behind", []):
+        print(f"note: the run's code left {left} running; it was ended")
 
 
 def storage_hit_rate(summary: dict) -> float:

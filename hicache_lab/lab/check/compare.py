@@ -8,8 +8,12 @@ step one run reached and the other did not, a crash, shows there); per rank, whe
 and its storage prefetches issued, declined for the rate limit and revoked; per round, the hit tokens by tier
 (storage hits among them); whether outputs matched the reference. Differences are reported first to last
 (step, rank, quantity, both values); where the world has a difference the lab keeps on purpose, it is
-reported under its row of docs/fidelity.md (`KEPT`), never hidden.
-Exit 0: equal; 1: different; 2: cannot compare (a world SGLang's cache refuses, or no sglang).
+reported under its row of docs/fidelity.md (`KEPT`), never hidden, and only where both runs completed, never
+diverged and matched their references: a crash, a divergence or a wrong output is never a kept difference. A run
+that went wrong on either side is reported before anything else (`went_wrong`); two runs that went wrong the
+same way are equal only in that sense, and said so.
+Exit 0: equal and both sound; 1: different, or either run went wrong; 2: cannot compare (a world SGLang's cache
+refuses, or no sglang); 128 + signal: interrupted.
 """
 
 from __future__ import annotations
@@ -136,15 +140,49 @@ def round_differences(lab: dict, sglang: dict) -> list[Difference]:
     return found
 
 
+def went_wrong(summary: dict) -> str | None:
+    """How one side's run went wrong, in words (first: where its ranks diverged, then how it ended, then its
+    outputs); None for a run that completed, never diverged and matched its reference."""
+    words = []
+    if d := summary["first_divergence"]:
+        words.append(f"diverged at step {d['step']} on {d['quantity']} {d['values']}")
+    if summary["interrupted"]:
+        words.append(f"interrupted by {summary['interrupted']}")
+    elif summary["crashed"]:
+        words.append(f"crashed (rank {summary['failing_rank']}): {summary['error']}")
+    elif not summary["completed"]:
+        words.append(f"did not complete: {summary['error']}")
+    elif summary["outputs_match_reference"] is not True:
+        words.append(f"outputs match reference: {summary['outputs_match_reference']}")
+    return "; ".join(words) or None
+
+
 @dataclass
 class Comparison:
     summaries: dict[str, dict]
     differences: list[Difference]
-    kept: list[tuple[str, str]]  # the fidelity rows this world has: (row, why)
+    kept: list[tuple[str, str]]  # the fidelity rows that explain the differences: (row, why)
 
     @property
     def equal(self) -> bool:
         return not self.differences
+
+    @property
+    def wrong(self) -> dict[str, str]:
+        """{side: how it went wrong} for each side whose run did (`went_wrong`)."""
+        return {impl: words for impl, s in self.summaries.items() if (words := went_wrong(s)) is not None}
+
+    @property
+    def interrupted(self) -> str | None:
+        """The signal that interrupted either run: then nothing can be judged."""
+        return next((s["interrupted"] for s in self.summaries.values() if s["interrupted"]), None)
+
+    @property
+    def sound(self) -> bool:
+        """Both runs completed, never diverged and matched their references: only then is "equal" a verdict of
+        fidelity, and only then can a difference be a kept one (a timing row never explains a crash, a
+        divergence or a wrong output)."""
+        return not self.wrong
 
 
 def compare(cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), verbose: bool = False) -> Comparison:
@@ -163,5 +201,6 @@ def compare(cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), 
     outputs = [summaries[impl]["outputs_match_reference"] for impl in ("lab", "sglang")]
     if outputs[0] != outputs[1]:
         differences.append(Difference("run", "outputs_match_reference", *outputs))
-    kept = [(row, why) for row, applies, why in KEPT if applies(cfg)]
+    sound = not any(went_wrong(s) for s in summaries.values())
+    kept = [(row, why) for row, applies, why in KEPT if sound and differences and applies(cfg)]
     return Comparison(summaries, differences, kept)

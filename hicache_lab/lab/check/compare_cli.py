@@ -11,6 +11,7 @@ used; L3 worlds flush the cache between rounds, so that later rounds' hits come 
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 from ...entrypoints.args import add_run_flags, config_from_args
@@ -73,7 +74,8 @@ def run_worlds(out: Path, binders: tuple, names: list[str] | None = None) -> lis
                 "kept": ", ".join(row for row, _ in result.kept) if result.differences else "",
             }
         )
-        rows[-1]["verdict"] = "equal" if result.equal else "different"
+        alike = "equal" if result.sound else f"equal, both wrong alike ({result.wrong['lab']})"
+        rows[-1]["verdict"] = alike if result.equal else "different"
         print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps: acks, batches']})", flush=True)
     return rows
 
@@ -128,31 +130,44 @@ def add_compare_flags(parser) -> None:
 def cmd_compare(args) -> int:
     """Run one world and workload with the lab's cache and with sglang 0.5.23's own (`--cache-impl sglang`),
     and compare them step by step and rank by rank: acks consumed per queue, batches, crashes, storage
-    prefetches, per-round hit tokens by tier. Exit 0 equal, 1 different (the first difference first, and each
-    difference the lab keeps on purpose under its docs/fidelity.md row), 2 cannot compare."""
+    prefetches, per-round hit tokens by tier. A run that diverged, crashed or gave wrong outputs on either side
+    is said first. Exit 0 equal with both runs sound, 1 different or either run wrong (the first difference
+    first; a difference the lab keeps on purpose under its docs/fidelity.md row, where both runs are sound),
+    2 cannot compare, 128 + signal interrupted."""
     if args.worlds:
         rows = run_worlds(Path(args.out), args.binders)
         table = format_worlds(rows)
         (Path(args.out) / "worlds.md").write_text(table + "\n")
         print(table)
-        return 0 if all(r["verdict"] == "equal" or r["kept"] for r in rows) else 1
+        return 0 if all(r["verdict"].startswith("equal") or r["kept"] for r in rows) else 1
     cfg = config_from_args(args)
     if cfg.cache_impl != "lab":
         raise ConfigError("compare runs both caches itself: drop --cache-impl")
+    if args.show < 0:
+        raise ConfigError(f"--show {args.show}: give how many differences to print, 0 or more")
     SGLANG_CACHE.check(with_impl(cfg, "sglang"))  # refused before either run starts
     mutants = (Mutant(args.mutant),) if args.mutant else ()
+    for mutant in mutants:
+        mutant.check(cfg)
     result = compare(cfg, Path(args.out), args.binders, mutants)
-    print(format_rounds(result.summaries))
+    if result.interrupted:
+        print(f"interrupted by {result.interrupted}: nothing compared (the runs so far are in {args.out})")
+        return 128 + signal.Signals[result.interrupted]
     for impl, label in (("lab", "lab"), ("sglang", "SGLang")):
-        s = result.summaries[impl]
-        ending = "completed" if s["completed"] else f"crashed: {s['error']}" if s["crashed"] else "stopped"
-        print(f"{label}: {ending}; outputs match reference: {s['outputs_match_reference']}")
-    if result.equal:
-        print(f"equal: {len(by_step(Path(args.out) / 'lab'))} rank-steps, every rank's ending, prefetches, rounds")
+        print(f"{label}: {result.wrong.get(impl, 'completed, never diverged; outputs match reference: True')}")
+    print(format_rounds(result.summaries))
+    steps = len(by_step(Path(args.out) / "lab"))
+    if result.equal and result.sound:
+        print(f"equal: {steps} rank-steps, every rank's ending, prefetches, rounds")
         return 0
+    if result.equal:
+        print(f"equal, but both runs went wrong, identically ({steps} rank-steps): see above; this is no fidelity")
+        return 1
     print(f"{len(result.differences)} differences; the first {min(args.show, len(result.differences))}:")
     for difference in result.differences[: args.show]:
         print(f"  {difference}")
     for row, why in result.kept:
         print(f"kept on purpose in this world (docs/fidelity.md, {row}): {why}")
+    if result.differences and not result.kept:
+        print("no docs/fidelity.md row explains these differences")
     return 1

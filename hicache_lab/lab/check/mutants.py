@@ -14,8 +14,16 @@ import torch
 
 from ...distributed.cache_sync import MAX
 from ...entrypoints.binders import Binder
+from ...errors import ConfigError
 
 MUTANTS = ("max_for_min", "relay_skips_stage")
+ACTS = {  # mutant -> (whether it can change anything in a world, what the world needs)
+    "max_for_min": (
+        lambda cfg: cfg.parallel.tp * cfg.parallel.cp > 1,
+        "a write-ack count agreed over more than one rank: --tp or --cp above 1",
+    ),
+    "relay_skips_stage": (lambda cfg: cfg.parallel.pp >= 3, "a relay past stage 1: --pp 3 or more"),
+}
 
 
 def _max_on_writes(sync, agree):
@@ -32,6 +40,14 @@ class Mutant(Binder):
     def __init__(self, name: str):
         assert name in MUTANTS, name
         self.name = name
+
+    def check(self, cfg) -> None:
+        """A mutant that cannot act in this world would make `compare` say "equal" of a change it never saw."""
+        acts, needs = ACTS[self.name]
+        if not cfg.cache.enable_hierarchical_cache or not acts(cfg):
+            raise ConfigError(
+                f"--mutant {self.name} changes nothing in this world: it needs --enable-hierarchical-cache and {needs}"
+            )
 
     def bind(self, cfg, parts, out_dir):
         sync = parts.sync

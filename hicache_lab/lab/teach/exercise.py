@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import multiprocessing
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,16 @@ from ...errors import ConfigError
 from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
 from ..presets import WORLD, config
-from .explain import audit_lines, crash_kind, explain_run, finding_words, first_finding, lockstep_words
+from .explain import (
+    audit_lines,
+    crash_kind,
+    explain_run,
+    finding_words,
+    first_finding,
+    left_running,
+    lockstep_words,
+    unjudged_words,
+)
 from .mistakes import MISTAKES, mistake_text
 from .sync_impl import SYNC_IMPLS
 
@@ -91,6 +101,8 @@ class Verdict:
     mistake: str | None = None  # the MISTAKES kind the audit named, if any
     skipped: bool = False  # called in a rank, or while the check imports the caller's file: nothing to say
     show_hint: bool = False
+    judged: bool = True  # False: a world ended without the evidence for a verdict (interrupted, cut short)
+    interrupted: str | None = None  # the signal that interrupted a world (SIGINT, SIGTERM), if one did
 
     @property
     def hint(self) -> str | None:
@@ -100,9 +112,18 @@ class Verdict:
         if self.skipped:
             return ""
         lines = list(self.lines)
+        if not self.judged:
+            return "\n".join([*lines, "NOT JUDGED"])
         if not self.ok and self.hint:
             lines.append(f"hint: {self.hint}" if self.show_hint else f"({HINT_ON_REQUEST})")
         return "\n".join([*lines, "PASSED" if self.ok else "FAILED"])
+
+    @property
+    def exit_code(self) -> int:
+        """0 passed, 1 failed or could not judge, 128 + signal interrupted (as `run`'s)."""
+        if self.interrupted:
+            return 128 + signal.Signals[self.interrupted]
+        return 0 if self.ok and self.judged else 1
 
 
 def spec_of(slot: str, value: str | Callable) -> str:
@@ -170,10 +191,15 @@ def check(
                 rank, error = summary["failing_rank"], summary["error"].splitlines()[0]
                 why = f"({kind}) {mistake_text(kind, f'rank {rank} crashed in your function: {error}')}"
                 verdict.ok, verdict.mistake = False, kind
+            elif (unjudged := unjudged_words(summary)) is not None:
+                verdict.ok, verdict.judged, verdict.interrupted = False, False, summary["interrupted"]
+                verdict.lines.append(f"{world.name}: could not judge: {unjudged}")
+                break
             else:
                 why = explain_run(summary, lines)
                 verdict.ok = why is None
             verdict.lines.append(f"{world.name}: {'ok' if verdict.ok else 'WRONG ' + why}")
+            verdict.lines += left_running(summary)
             if not verdict.ok:
                 break
         else:

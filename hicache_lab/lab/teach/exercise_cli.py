@@ -83,4 +83,4 @@ def cmd_exercise(args: argparse.Namespace) -> int:
         return 2
     verdict = check(**given, out_dir=args.out, device=args.device, quick=not args.full, hint=args.hint)
     print(verdict)
-    return 0 if verdict.ok else 1
+    return verdict.exit_code

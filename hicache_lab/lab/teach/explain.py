@@ -101,6 +101,28 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     )
 
 
+def unjudged_words(summary: dict) -> str | None:
+    """Why a run without a finding gives no evidence for a verdict, in words: it was interrupted, or ended
+    without completing and without a divergence or a crash to show, or its outputs were never checked; None
+    where it gives evidence (a verdict, right or wrong, may be drawn from it)."""
+    if summary["diverged"]:
+        return None  # the steps before the end show a mistake, however the run ended
+    if summary["interrupted"]:
+        return f"{summary['error']}; run the check again to the end"
+    if not summary["completed"] and not summary["crashed"]:
+        return f"the world ended without completing ({summary['error'] or 'no rank reported'})"
+    if summary["completed"] and summary["outputs_match_reference"] is None:
+        return "the outputs were not checked against the reference"
+    return None
+
+
+def left_running(summary: dict) -> list[str]:
+    """A note for each thread or process the run's code left running (ended with its rank or the run)."""
+    return [
+        f"  note: {left} was still running when the rank ended; it was ended" for left in summary.get("left_behind", [])
+    ]
+
+
 def explain_run(summary: dict, lines: list[dict]) -> str | None:
     """What went wrong in a run with no finding of the audit, in words; None if nothing did."""
     words = []

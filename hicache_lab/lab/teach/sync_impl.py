@@ -14,11 +14,14 @@ experiments. Every rank imports MODULE (a module name, from the working director
 Every such call is audited (`sync_audit.Audit`): the distributed calls it makes and the rules of its slot, one
 line per call in `sync_audit_rank{R}.jsonl`; a rule broken in every world stops the run with the reason.
 
-The run checks the targets before it starts, so a typo fails at once (`ConfigError`, exit code 2). Your code is
-bounded (`call_bounded`): the import must end within IMPORT_TIMEOUT_S, and every call runs in a helper thread and
-must return within USER_CALL_BOUND x `--collective-timeout` (the lab's own collectives inside it time out first,
-with their own message); a call that raises anything (`sys.exit` included) or does not return stops the run with
-a `SyncImplError` naming the `--sync-impl`, and a call that never returns is left behind in its daemon thread.
+The run checks the targets before it starts, each imported in a child process, so a typo fails at once
+(`ConfigError`, exit code 2) and a module that exits at import cannot end the launcher. Every rank, even of a
+world of one, runs in a process of its own that the launcher watches (entrypoints/watch.py): a call that holds
+the interpreter in C code or exits the process is found there. Your code is bounded (`call_bounded`): the import
+must end within IMPORT_TIMEOUT_S, and every call runs in a helper thread and must return within
+USER_CALL_BOUND x `--collective-timeout` (the lab's own collectives inside it time out first, with their own
+message); a call that raises anything (`sys.exit` included) or does not return stops the run with a
+`SyncImplError` naming the `--sync-impl`, and a call that never returns is left behind in its daemon thread.
 Only one thread at a time uses a group: the rank waits while its helper runs.
 """
 
@@ -38,6 +41,7 @@ import torch
 
 from ...config import RunConfig
 from ...entrypoints.binders import Binder, RankParts
+from ...entrypoints.launch import rank_processes
 from ...errors import ConfigError
 from .audit_call import AuditFinding
 from .audit_patch import patch_torch_distributed
@@ -108,7 +112,7 @@ def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
     impls = {}
     for spec in specs:
         slot, _, target = spec.partition("=")
-        module_name, _, function = target.partition(":")
+        module_name, _, function = target.rpartition(":")  # a path may hold a colon, a function name never
         try:
             module = call_bounded("its import", IMPORT_TIMEOUT_S, "the lab's bound on an import", _fresh, module_name)
         except SyncImplError as exc:
@@ -149,13 +153,60 @@ def install(impls: dict[str, tuple[str, Callable]], sync, cache, out_dir: Path |
         setattr(owner, SLOT_TARGETS[slot][1], partial(call_bounded, f"--sync-impl {spec}", timeout_s, bound, method))
 
 
+def _import_and_answer(spec: str, answer) -> None:
+    """In a child process: import `spec` (`resolve`), send back None or the ConfigError's words, and leave at
+    once (threads its import started must not hold the child open)."""
+    try:
+        resolve((spec,))
+        answer.send(None)
+    except ConfigError as exc:
+        answer.send(str(exc))
+    finally:
+        answer.close()
+        os._exit(0)
+
+
+def check_in_a_child(spec: str) -> None:
+    """Import `spec` in a process of its own (the launcher's fork server forks it), never in this one: a module
+    whose top level exits the process, arms a timer, starts threads or holds the interpreter must not touch the
+    launcher or the check. ConfigError if it cannot be imported, ended its process or did not finish in time."""
+    ctx = rank_processes()
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_import_and_answer, args=(spec, writer), daemon=True)
+    child.start()
+    writer.close()
+    try:
+        if not reader.poll(IMPORT_TIMEOUT_S + 10):
+            raise ConfigError(f"--sync-impl {spec}: its import did not end within {IMPORT_TIMEOUT_S:g} s")
+        words = reader.recv()
+    except EOFError:
+        child.join(5)
+        raise ConfigError(
+            f"--sync-impl {spec}: importing it ended the process (exit code {child.exitcode}) before the import "
+            "returned: a module must not exit at its top level (os._exit, sys.exit in a thread); move that code "
+            "into a function"
+        ) from None
+    finally:
+        reader.close()
+        if child.is_alive():
+            child.kill()
+        child.join(5)
+    if words is not None:
+        raise ConfigError(words)
+
+
 class SyncImplBinder(Binder):
-    """`--sync-impl`: the functions checked before any rank starts, then bound into every rank."""
+    """`--sync-impl`: the functions checked before any rank starts (each imported in a child process), then bound
+    into every rank, which runs in a process of its own even alone (`runs_unbounded_code`)."""
 
     fields = ("parallel.sync_impls",)
 
     def check(self, cfg: RunConfig) -> None:
-        resolve(cfg.parallel.sync_impls)  # a --sync-impl that cannot load fails here, before any rank starts
+        for spec in cfg.parallel.sync_impls:  # one that cannot load fails here, before any rank starts
+            check_in_a_child(spec)
+
+    def runs_unbounded_code(self, cfg: RunConfig) -> bool:
+        return bool(cfg.parallel.sync_impls)
 
     def bind(self, cfg: RunConfig, parts: RankParts, out_dir: Path) -> None:
         install(resolve(cfg.parallel.sync_impls), parts.sync, parts.cache, out_dir)
