@@ -1,11 +1,14 @@
 """`--sync-impl SLOT=MODULE:FUNCTION` puts your own `_pp_sync` / `writing_check` / `_attn_groups` in every rank
 (the exercise's check: test_exercise.py). Your code is bounded: a call that
 raises anything (`sys.exit` included) or never returns, and an import that exits, stop the run with an error that
-names the `--sync-impl`, in a world of one rank too (it runs in the launcher's process, with no peer to time out)."""
+names the `--sync-impl`, in a world of one rank too (with no peer to time out). The launcher never imports your
+code (a child process does), and runs even one rank in a process of its own: code that ends its process, or
+leaves a thread running, is named, never a hang or an exit 0 without a word."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import subprocess
 import sys
 import textwrap
@@ -102,12 +105,39 @@ def misbehaving(tmp_path, monkeypatch):
         ("pp_sync=misbehaving:fail", "raised ValueError: no relay today"),
     ],
 )
+@pytest.mark.spawns
 def test_a_sync_impl_that_raises_or_exits_stops_the_run_naming_it(small_config, misbehaving, spec, said):
     cfg = small_config(enable_hierarchical_cache=True)
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(spec,)))
-    summary = run(cfg, misbehaving / "out", verbose=False)  # one rank: the launcher's own process
+    summary = run(cfg, misbehaving / "out", verbose=False)  # one rank, in a process of its own
     assert summary["crashed"] and not summary["completed"]
     assert f"SyncImplError: --sync-impl {spec} {said}" in summary["error"]
+
+
+@pytest.mark.spawns
+def test_code_that_ends_its_process_or_leaves_a_thread_is_named(small_config, misbehaving):
+    """`os._exit(0)` at import is refused before any rank starts (the launcher lives on to say so); in a call it
+    is a crash naming the exit, never a run that ends with exit 0 and nothing said; a non-daemon thread left
+    running ends with its rank and is noted, never a run that does not end."""
+    (misbehaving / "ends.py").write_text(
+        "import os, threading, time\n\ndef now(self, *args):\n    os._exit(0)\n\n"
+        "def thread(self, count):\n    threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()\n"
+        "    from hicache_lab.mem_cache.hiradix_cache import HiRadixCache\n"
+        "    return HiRadixCache.writing_check(self, count)\n"
+    )
+    (misbehaving / "ends_at_import.py").write_text("import os\n\ndef f(self, data):\n    pass\n\nos._exit(0)\n")
+    cfg = small_config(enable_hierarchical_cache=True)
+
+    def with_impl(spec):
+        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(spec,)))
+
+    with pytest.raises(ConfigError, match="importing it ended the process .exit code 0."):
+        run(with_impl("pp_sync=ends_at_import:f"), misbehaving / "out", verbose=False)
+    summary = run(with_impl("writing_check=ends:now"), misbehaving / "out", verbose=False)
+    assert summary["crashed"] and "rank 0 exited with code 0 (code the rank ran ended its process" in summary["error"]
+    summary = run(with_impl("writing_check=ends:thread"), misbehaving / "out", verbose=False)
+    assert summary["completed"] and summary["left_behind"]  # one thread for each call
+    assert all(re.fullmatch(r"thread 'Thread-\d+ \(sleep\)' of rank 0", left) for left in summary["left_behind"])
 
 
 @pytest.mark.spawns
@@ -124,7 +154,7 @@ def test_a_sync_impl_that_never_returns_fails_after_twice_the_collective_timeout
     assert time.monotonic() - started < 60
 
 
-def test_an_import_that_exits_is_a_configuration_error(misbehaving):
+def test_an_import_that_exits_is_a_configuration_error(misbehaving):  # resolve: what each rank and the child run
     with pytest.raises(ConfigError, match="cannot import 'exits_at_import': its import called sys.exit"):
         resolve(("pp_sync=exits_at_import:f",))
 
