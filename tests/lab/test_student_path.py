@@ -8,7 +8,9 @@ check's hints. Exercise 3 is homework after notebook 03, which must not hold the
 from __future__ import annotations
 
 import ast
+import errno
 import inspect
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -192,3 +194,56 @@ def test_a_student_edition_leaves_out_the_answers_and_nothing_students_read_poin
     read = [ROOT / "README.md", ROOT / "SYNC.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "notebooks").glob("*.ipynb")]
     pointing = [str(p.relative_to(ROOT)) for p in read if command.search(p.read_text())]
     assert not pointing, f"runs a wrong answer or solution a student edition does not hold: {pointing}"
+
+
+def _edition_fails(args: list[str], capsys) -> tuple[int, str]:
+    from hicache_lab.__main__ import main
+
+    code = main(["student-edition", *args])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return code, err
+
+
+def test_a_student_edition_that_cannot_be_cut_says_why_in_one_line(tmp_path, monkeypatch, capsys):
+    """A dangling link as the target, a read-only target, git refusing another user's checkout, no git: exit 2
+    and one line saying what to change."""
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    code, err = _edition_fails([str(tmp_path / "link")], capsys)
+    assert code == 2 and f"link is a symbolic link to {tmp_path / 'nowhere'}, which does not exist" in err
+    with monkeypatch.context() as patch:
+        patch.setattr("os.statvfs", lambda path: type("Statvfs", (), {"f_flag": os.ST_RDONLY})())
+        code, err = _edition_fails([str(tmp_path / "ro")], capsys)
+    assert code == 2 and "is not writable: cannot create a file in" in err and "read-only mount" in err
+    with monkeypatch.context() as patch:
+        patch.setenv("GIT_TEST_ASSUME_DIFFERENT_OWNER", "1")  # git's own switch: the checkout is another user's
+        code, err = _edition_fails([str(tmp_path / "ed")], capsys)
+    assert code == 2 and "detected dubious ownership" in err and "git config --global --add safe.directory" in err
+    with monkeypatch.context() as patch:
+        patch.setenv("PATH", str(tmp_path))
+        code, err = _edition_fails([str(tmp_path / "ed")], capsys)
+    assert code == 2 and "there is no git on PATH: install git" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+def test_a_disk_that_fills_mid_edition_leaves_nothing_and_a_rerun_works(tmp_path, monkeypatch, capsys):
+    import tarfile
+
+    extract, count = tarfile.TarFile.makefile, []
+
+    def fills_at_the_20th_file(self, member, target):
+        if len(count) == 20:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        count.append(member.name)
+        return extract(self, member, target)
+
+    target = tmp_path / "new" / "ed"
+    with monkeypatch.context() as patch:
+        patch.setattr(tarfile.TarFile, "makefile", fills_at_the_20th_file)
+        code, err = _edition_fails([str(target)], capsys)
+    assert code == 1 and f"cannot write the student edition into {target} at " in err
+    assert "No space left on device; what it wrote is removed" in err
+    assert list(tmp_path.iterdir()) == []
+    from hicache_lab.__main__ import main
+
+    assert main(["student-edition", str(target)]) == 0 and (target / "Makefile").is_file()

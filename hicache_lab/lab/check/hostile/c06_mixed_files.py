@@ -1,6 +1,7 @@
 """Class 6, lost or mixed files: `--out` naming the user's own directory, a second run on a directory in use,
 a run again beside the user's file, torchrun on a larger run's directory; links planted where a run writes,
-a hard-linked backup of the store under `--fault damage-page`, and a run whose files outgrow the file-size limit."""
+a hard-linked backup of the store under `--fault damage-page`; a run, and a student edition, whose files outgrow
+the file-size limit."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def _linked_marker(scratch: Path) -> Outcome:
     return run_cli(scratch, *SMALL, "--out", "out")
 
 
+ROOT = Path(__file__).resolve().parents[4]  # the repository, as student-edition finds it
 AUDITED = ("--sync-impl", "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check")
 
 
@@ -96,17 +98,41 @@ def _hard_linked_backup(scratch: Path) -> Outcome:
     return outcome
 
 
-def _file_size_limit(scratch: Path) -> Outcome:
-    """Two stages under `ulimit -f 2` (2 KiB, set on the launcher as it starts; its ranks inherit it): its
-    summary cannot be written whole. One line names the file, and no traceback is printed."""
+def _limited(kib: int):
+    """`during` for run_cli: `ulimit -f KIB` on the command, set as it starts (before it writes; what it starts
+    inherits it). Python ignores SIGXFSZ: a write past the limit fails with EFBIG, as on a full disk."""
+    return lambda proc: resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (kib << 10, kib << 10))
 
-    def limit(proc: subprocess.Popen) -> None:
-        resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (2048, 2048))
 
-    outcome = run_cli(scratch, *WORLD2, "--out", "out", during=limit)
+def _no_traceback(outcome: Outcome) -> Outcome:
     if "Traceback" in outcome.output:
         return Outcome(None, f"{outcome.output}\na traceback was printed", outcome.leftover)
     return outcome
+
+
+def _file_size_limit(scratch: Path) -> Outcome:
+    """One rank under `ulimit -f 2`: its trace stops at 2 KiB (a crash naming it), and a file written whole (its
+    result, or the summary, which is larger) fails as it is closed. The last line names that file, with what to
+    do, and no traceback is printed."""
+    outcome = _no_traceback(run_cli(scratch, *SMALL, "--out", "out", during=_limited(2)))
+    if not outcome.output.rstrip().endswith("ulimit -f), or give --out a writable directory with room"):
+        return Outcome(None, f"{outcome.output}\nthe last line does not name a file it could not write")
+    return outcome
+
+
+def _edition_past_the_limit(scratch: Path) -> Outcome:
+    """`student-edition out` under `ulimit -f 64` (a notebook outgrows it): one line, what it wrote removed, and
+    the same command without the limit then works."""
+    outcome = _no_traceback(run_cli(scratch, "student-edition", "out", during=_limited(64)))
+    if (scratch / "out").exists():
+        return Outcome(None, f"{outcome.output}\nout/ was left behind", outcome.leftover)
+    if (again := run_cli(scratch, "student-edition", "out")).code != 0:
+        return Outcome(None, f"{outcome.output}\nthe rerun failed: {again.output}", outcome.leftover)
+    return outcome
+
+
+def _git_checkout() -> str | None:
+    return None if (ROOT / ".git").exists() else f"student-edition is cut from a git checkout; {ROOT} is none"
 
 
 CASES = [
@@ -184,10 +210,18 @@ CASES = [
     ),
     Hostile(
         6,
-        "a file-size limit (`ulimit -f 2`) the run's summary outgrows",
+        "a file-size limit (`ulimit -f 2`) the run's result or summary outgrows",
         _file_size_limit,
         1,
-        "error: cannot write out/summary.json: File too large (EFBIG): make room on its disk (or lift the "
-        "file-size limit, ulimit -f)",
+        "error: cannot write out/",
+    ),
+    Hostile(
+        6,
+        "`student-edition` under a file-size limit (`ulimit -f 64`) a notebook outgrows",
+        _edition_past_the_limit,
+        1,
+        "File too large; what it wrote is removed: make room on its disk (or lift the file-size limit, ulimit -f) "
+        "and run it again",
+        needs=_git_checkout,
     ),
 ]

@@ -4,7 +4,10 @@ one, in a process of its own, which pins the interpreter's exit status and the j
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .common import TRACE_LINE, lines, refusal
+from .judge import Hostile, Outcome, run_in_process
 
 STALE = "to run on its own, unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT; or start it under torchrun"
 RUN_LOG = {"tag": "sglang", "summary": {"cache_hit_rate": 0.4}}  # a valid bench_multiturn line
@@ -80,6 +83,13 @@ FAST = [  # (what the adversary does, `python -m hicache_lab` ARGS, what the lab
      "File name too long: give a shorter path"),
     ("`demo --num-rounds 1`: no round after the first to compare", "demo --num-rounds 1 --out out",
      "demo --num-rounds 1: the demo compares rounds after the first; give at least 2"),
+    ("`student-edition` with no `git` on PATH", "student-edition out",
+     "student-edition cuts the edition with git, and there is no git on PATH", _environ(PATH="/nonexistent")),
+    ("`student-edition` of a checkout another user owns (git's GIT_TEST_ASSUME_DIFFERENT_OWNER)",
+     "student-edition out", "(git said: \"fatal: detected dubious ownership in repository at",
+     _environ(GIT_TEST_ASSUME_DIFFERENT_OWNER="1")),
+    ("`student-edition` where no one can create files (/proc)", "student-edition /proc/hicache-edition",
+     "student-edition /proc/hicache-edition is not writable: cannot create a file in /proc"),
 ]
 SLOW = [  # only in soak --hostile: the rest of the README's table and more of each kind
     ("`--prefetch-timeout-base=-inf`", "run --prefetch-timeout-base=-inf --out out",
@@ -142,8 +152,24 @@ SLOW = [  # only in soak --hostile: the rest of the README's table and more of e
 ]
 # fmt: on
 
+
+def _dangling_link(scratch: Path) -> Outcome:
+    (scratch / "out").symlink_to("nowhere")
+    return run_in_process(scratch, "student-edition", "out")
+
+
 CASES = [
-    refusal(10, name, args.split(), says, slow=slow, **({"in_process": True} | (options[0] if options else {})))
-    for table, slow in ((FAST, False), (SLOW, True))
-    for name, args, says, *options in table
+    *(
+        refusal(10, name, args.split(), says, slow=slow, **({"in_process": True} | (options[0] if options else {})))
+        for table, slow in ((FAST, False), (SLOW, True))
+        for name, args, says, *options in table
+    ),
+    Hostile(
+        10,
+        "`student-edition` into a link to nothing",
+        _dangling_link,
+        2,
+        "out is a symbolic link to nowhere, which does not exist: remove the link, or give a new directory",
+        in_process=True,
+    ),
 ]
