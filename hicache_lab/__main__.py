@@ -1,14 +1,38 @@
 """Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
-`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`, `student-edition`)."""
+`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`, `student-edition`).
 
+How it ends, whatever the command: 0 done; 1 failed, saying why in one line (a file that cannot be written, a
+process limit such as `ulimit -n` reached); 2 refused at start (`configuration error: ...`); 128 + the signal
+when interrupted (130 for Ctrl-C, also while it is still loading torch); 141 when its standard output is a pipe
+whose reader has gone (`... | head -1`), as a Unix tool killed by SIGPIPE, silently: what the run wrote into
+its directory is whole."""
+
+# ruff: noqa: E402 - the handler of Ctrl-C is in place before the imports that load torch (seconds)
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
+import resource
+import select
 import signal
 import sys
+import threading
 from pathlib import Path
+
+
+def _interrupted_while_loading(signum: int, frame) -> None:
+    print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    os._exit(128 + signum)  # nothing started yet: nothing to end
+
+
+if (
+    __name__ == "__main__"
+    and threading.current_thread() is threading.main_thread()
+    and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # not where Ctrl-C is ignored (a job)
+):
+    signal.signal(signal.SIGINT, _interrupted_while_loading)  # until main() starts
 
 from .entrypoints.args import add_run_flags, config_from_args
 from .entrypoints.ending import Interrupted
@@ -132,7 +156,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summaries["fixed"]["completed"] and not summaries["fixed"]["diverged"] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hicache_lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run_parser = commands.add_parser("run", help="run one configuration and write DIR/summary.json")
@@ -192,8 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_edition_flags(edition_parser)
     edition_parser.set_defaults(func=cmd_edition)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command `argv` asks for, run; its exit status (the module's docstring)."""
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:  # loaded: Ctrl-C is the commands' to handle
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
+        args = build_parser().parse_args(argv)
         if getattr(args, "out", None) is not None and not args.out.strip():
             raise ConfigError("--out '' names no directory (it would be the working directory): give one")
         return args.func(args)
@@ -207,6 +238,44 @@ def main(argv: list[str] | None = None) -> int:
         signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
         print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
         return 128 + signum
+    except BrokenPipeError:
+        if not _stdout_gone():
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+        return 128 + signal.SIGPIPE
+    except OSError as exc:
+        if exc.errno not in (errno.EMFILE, errno.ENFILE):
+            raise
+        print(f"error: {_out_of_files(exc)}", file=sys.stderr)
+        return 1
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe no one reads any more (its reader ended: `| head -1`)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # not a file (captured), or closed
+        return False
+
+
+def _out_of_files(exc: OSError) -> str:
+    """What to do when this process (EMFILE) or the system (ENFILE) can open no more files."""
+    if exc.errno == errno.ENFILE:
+        return (
+            f"the system's table of open files is full ({exc.strerror}, ENFILE): close what other programs hold "
+            "open, or raise fs.file-max, and run again"
+        )
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    enough = 4096 if hard == resource.RLIM_INFINITY or hard >= 4096 else hard
+    fix = f"raise it, e.g. ulimit -n {enough}, and run again"
+    if enough <= soft:  # the hard limit is no higher
+        fix = f"its hard limit is {hard} too: run again from a shell with a higher one (as root: ulimit -n 4096)"
+    return (
+        f"this process may open only {soft} files (ulimit -n {soft}), too few for the run's ranks and their "
+        f"connections ({exc.strerror}, EMFILE): {fix}"
+    )
 
 
 if __name__ == "__main__":
