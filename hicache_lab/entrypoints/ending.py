@@ -11,7 +11,8 @@
 * `Adopted`: a process a run's code forked (a user's `--sync-impl` may) outlives neither its rank nor the run:
   the launcher is its subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so such a process becomes the launcher's
   child when its own parent ends, and the launcher kills and reaps every child the run left at its end.
-* `process_state`: what a process is doing, from /proc (a rank that never reported: stopped, sleeping, gone).
+* `process_state`: what a process is doing, from /proc (a rank that never reported: stopped, sleeping, gone);
+  `cpu_seconds`: whether it is still working.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # a closed terminal or ssh session sends SIGHUP
 WAIT_S = 1.0  # how long the watcher gives the main thread to take a signal before it acts in its place
+STUCK_S = 30.0  # how long a process may take to end after it took a signal before the watcher ends it
 STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped by a signal"}
 STATES |= {"t": "stopped by a debugger", "Z": "a zombie (it has exited)", "X": "dead"}
 
@@ -145,6 +147,17 @@ def process_state(pid: int) -> str:
     return f"{STATES.get(state, 'in state ' + state)} (state {state}{waits})"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """The CPU time process `pid` has used (user + system, from /proc/PID/stat); None where it is gone or unknown:
+    a rank whose CPU time grows is working, however long that takes on a loaded machine."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 _ENTERED: list[SignalGuard] = []  # the guards entered in this process (one, in the main thread)
 
 
@@ -162,6 +175,9 @@ class SignalGuard:
     The first signal raises `Interrupted` in the main thread unless the run is already `finishing` (writing its
     files: a signal then must not tear them). If the main thread has not taken a signal within WAIT_S (it is
     blocked in C++), the watcher thread runs what the process owes, newest first (`owe`), and exits 128 + signal.
+    So it does when a second signal comes (the files the main thread is writing may be cut short: asked twice,
+    the user means it), and when the process has not ended within STUCK_S of the first (it took the signal, then
+    blocked on the way out).
     """
 
     def __init__(self) -> None:
@@ -225,11 +241,27 @@ class SignalGuard:
             if data[0] not in SIGNALS:
                 continue  # another handler's signal
             self.received += 1
+            if self.received == 1:
+                threading.Thread(target=self._unless_ended, args=(data[0],), daemon=True).start()
             time.sleep(WAIT_S)
-            if not self._closed and self.taken < self.received and self._lock.acquire(blocking=False):
-                name = signal.Signals(data[0]).name
-                for write in reversed(self.owed):
-                    with contextlib.suppress(Exception):
-                        write(name)
-                os._exit(128 + data[0])
+            if not self._closed and self.taken < self.received:
+                self._leave(data[0])  # the main thread is blocked in C++: it cannot take the signal
+            if not self._closed and self.received > 1:
+                self._leave(data[0])  # asked again: the user means it, whatever the main thread is doing
         os.close(read)
+
+    def _unless_ended(self, signum: int) -> None:
+        """After the first signal: a process that has not ended within STUCK_S (its main thread took the signal,
+        then blocked on the way out: a thread that never joins) leaves."""
+        time.sleep(STUCK_S)
+        if not self._closed:
+            self._leave(signum)
+
+    def _leave(self, signum: int) -> None:
+        """Write what the process owes (unless the main thread is writing its files), then exit 128 + signal."""
+        if self._lock.acquire(blocking=False):
+            name = signal.Signals(signum).name
+            for write in reversed(self.owed):
+                with contextlib.suppress(Exception):
+                    write(name)
+        os._exit(128 + signum)

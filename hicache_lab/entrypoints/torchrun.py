@@ -15,11 +15,13 @@ import torch.distributed as dist
 from ..config import RunConfig
 from ..errors import ConfigError
 from .binders import Binder, check_all
-from .ending import Interrupted, SignalGuard, die_with_parent, process_state
+from .ending import Interrupted, SignalGuard, cpu_seconds, die_with_parent, process_state
 from .launch import GRACE_S, exit_code, join_and_run
 from .outdir import Claim
 from .preflight import preflight
 from .report import WorldEnd, print_summary, read_results, summarize
+
+WORKING_BOUND = 10  # rank 0 waits at most this many collective timeouts for a peer that still works
 
 
 def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...] = ()) -> dict | None:
@@ -83,19 +85,48 @@ def env_store(rank: int, world: int, timeout_s: float) -> dist.Store:
 
 
 def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
-    """Rank 0 waits for the other results: up to the collective timeout when it completed, GRACE_S when it
-    waited for a peer (the cause may still report) or was interrupted (so were they), not at all when it failed
+    """Rank 0 waits for the other results: when it completed, up to the collective timeout, and beyond it for as
+    long as a rank that has not reported still works on this host (its CPU time grew within the last collective
+    timeout: a loaded machine, the reference outputs computed) up to WORKING_BOUND timeouts; GRACE_S when it
+    waited for a peer (the cause may still report) or was interrupted (so were they); not at all when it failed
     on its own. Returns the signal that cut the wait short (torchrun stops the world once a rank died), if any."""
     p = cfg.parallel
     wait = p.collective_timeout_s if result["completed"] else GRACE_S
     wait = 0 if result["crashed"] and not result.get("waited") else wait
-    deadline = time.monotonic() + wait
+    started = time.monotonic()
+    working = _Working(result, p.collective_timeout_s) if result["completed"] else None
     try:
-        while len(read_results(out_dir, end, p.world_size)) < p.world_size and time.monotonic() < deadline:
+        while (missing := _missing(cfg, out_dir, end)) and time.monotonic() - started < wait * WORKING_BOUND:
+            if time.monotonic() - started >= wait and not (working and working.any(missing)):
+                break
             time.sleep(0.1)
     except Interrupted as exc:
         return exc.name
     return None
+
+
+def _missing(cfg: RunConfig, out_dir: Path, end: WorldEnd) -> list[int]:
+    reported = {r["rank"] for r in read_results(out_dir, end, cfg.parallel.world_size)}
+    return [rank for rank in range(cfg.parallel.world_size) if rank not in reported]
+
+
+class _Working:
+    """Which ranks on this host still work: their CPU time grew within the last `window_s` seconds."""
+
+    def __init__(self, result: dict, window_s: float):
+        self.pids = {int(rank): pid for rank, pid in result.get("peers", {}).items()}
+        self.window_s, self.seen = window_s, {}  # rank -> (CPU seconds, when they last grew)
+
+    def any(self, ranks: list[int]) -> bool:
+        now, working = time.monotonic(), False
+        for rank in ranks:
+            cpu = cpu_seconds(self.pids[rank]) if rank in self.pids else None
+            if cpu is None or process_state(self.pids[rank]).startswith(("stopped", "a zombie", "dead")):
+                continue
+            last, since = self.seen.get(rank, (cpu, now))
+            self.seen[rank] = (cpu, now if cpu > last else since)
+            working |= now - self.seen[rank][1] < self.window_s
+        return working
 
 
 def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> None:

@@ -26,6 +26,7 @@ from .schedule_batch import Batch, Req
 from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
 
 STALL_STEPS, STALL_S = 1000, 10.0  # idle steps (and seconds) without an ack consumed before a run is stalled
+STORAGE_STALL_S = 60.0  # seconds a store may leave every waiting request unanswered before the run is stalled
 
 
 class Scheduler(SchedulerBatchResultProcessor):
@@ -88,7 +89,8 @@ class Scheduler(SchedulerBatchResultProcessor):
     def _check_progress(self, acks: tuple[int, int]) -> None:
         """An idle step with requests waiting and none running: with no copy in flight nothing will ever free
         room; with host copies in flight (no storage operation) and no ack consumed for STALL_STEPS idle steps and
-        STALL_S seconds in a row, nothing will either. Each ends the run saying which."""
+        STALL_S seconds in a row, nothing will either; nor with a storage operation in flight and no ack consumed
+        for STORAGE_STALL_S. Each ends the run saying which."""
         if not self.waiting or self.running:
             return
         req, cache = self.waiting[0], self.cache
@@ -105,12 +107,20 @@ class Scheduler(SchedulerBatchResultProcessor):
                 f"request {req.rid} ({len(req.fill_ids)} tokens) can never fit the device pool: {held}"
             )
         now = time.perf_counter()
-        if sum(acks) or cache.waits_on_storage():  # progress, or a slow store that may still answer: not a stall
+        if sum(acks):  # progress
             self.stalled_since = None
             return
         if self.stalled_since is None:
             self.stalled_since, self.idle_steps = now, 0
         self.idle_steps += 1
+        if cache.waits_on_storage():  # a slow store may still answer, for a while
+            if now - self.stalled_since >= STORAGE_STALL_S:
+                raise StallError(
+                    f"no batch for {self.idle_steps} steps ({now - self.stalled_since:.0f} s) while request "
+                    f"{req.rid} waits on storage that never answers (a file that blocks when read, such as a FIFO; "
+                    "a hung mount or server): check --hicache-storage-dir or the storage backend"
+                )
+            return
         if self.idle_steps >= STALL_STEPS and now - self.stalled_since >= STALL_S:
             raise StallError(
                 f"no batch for {self.idle_steps} steps ({now - self.stalled_since:.0f} s) while request {req.rid} "
