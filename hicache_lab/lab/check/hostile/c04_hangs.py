@@ -4,11 +4,26 @@ under a page's name (misses, never a read that blocks), and `--sync-impl` code t
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from .common import ONE_RANK, OUT, STORE, TRACE_LINE, USER_CODE, after_filling, lines, refusal, user_code
-from .judge import Hostile
+from .common import (
+    ONE_RANK,
+    OUT,
+    STORE,
+    TRACE_LINE,
+    USER_CODE,
+    WORLD2,
+    after_filling,
+    children,
+    lines,
+    ranks,
+    refusal,
+    user_code,
+)
+from .judge import Hostile, Outcome, run_cli
 
 
 def _special_files(make: Callable[[Path], None]):
@@ -29,6 +44,16 @@ def _million_ids() -> str:
 
 
 LONG_TRACE = {"files": {"long.jsonl": _million_ids}}
+
+
+def _fork_server_stopped(scratch: Path) -> Outcome:
+    def during(proc: subprocess.Popen) -> None:
+        if ranks(proc) and (servers := children(proc.pid, "multiprocessing.forkserver")):
+            os.kill(servers[0], signal.SIGSTOP)
+
+    return run_cli(scratch, *WORLD2, "--num-rounds", "2", "--out", "out", during=during)
+
+
 # fmt: off
 BOUNDS = [  # (what the adversary asks for, `python -m hicache_lab` ARGS, what the lab says[, refusal's options])
     ("`--hicache-ratio 1e12`: a host pool of 4e15 tokens",
@@ -96,6 +121,33 @@ SYNC_IMPL = [
         1,
         "--sync-impl pp_sync=user_sync:deaf did not return within 4 s",
         owns=USER_CODE,
+    ),
+    Hostile(
+        4,
+        "`--sync-impl writing_check=...` that holds the interpreter in one C call, one rank (no thread of the "
+        "rank runs, no bound of its own acts)",
+        user_code(*ONE_RANK, "--sync-impl", "writing_check=user_sync:in_c"),
+        1,
+        "rank 0 stopped answering (no heartbeat for",
+        owns=USER_CODE,
+        slow=True,
+    ),
+    Hostile(
+        4,
+        "`--sync-impl pp_sync=...` whose first call starts a thread (not a daemon) that sleeps an hour, two stages",
+        user_code(*ONE_RANK, "--pp", "2", "--sync-impl", "pp_sync=user_sync:leaves_a_thread"),
+        0,
+        "note: the run's code left thread 'Thread-",
+        owns=USER_CODE,
+        exact=True,
+    ),
+    Hostile(
+        4,
+        "SIGSTOP of the fork server that starts the ranks, as they start (it never reports their exits)",
+        _fork_server_stopped,
+        0,
+        "was stopped by a signal (state T): it could not report the ranks' exits",
+        exact=True,
     ),
     Hostile(
         4,

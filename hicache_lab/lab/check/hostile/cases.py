@@ -14,6 +14,7 @@ from . import (
     c08_silent_failures,
     c09_blame,
     c10_preflight,
+    c11_verdicts,
 )
 from .judge import Hostile
 
@@ -28,5 +29,6 @@ BY_CLASS = {
     8: c08_silent_failures,
     9: c09_blame,
     10: c10_preflight,
+    11: c11_verdicts,
 }
 CASES: list[Hostile] = [case for module in BY_CLASS.values() for case in module.CASES]

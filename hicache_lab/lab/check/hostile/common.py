@@ -91,6 +91,7 @@ USER_SYNC = '''\
 import os
 import socket
 import sys
+import threading
 import time
 
 
@@ -110,6 +111,23 @@ def deaf(self, data):
 
 def leave(self, *args):
     sys.exit(0)
+
+
+def ends_the_process(self, *args):
+    os._exit(0)
+
+
+def in_c(self, *args):
+    sum(range(10**12))  # one C call that holds the interpreter: no other thread of the rank runs meanwhile
+
+
+def leaves_a_thread(self, *args):
+    """The lab's own function, but its first call starts a thread (not a daemon) that sleeps for an hour."""
+    if not getattr(self, "threaded", False):
+        self.threaded = True
+        threading.Thread(target=time.sleep, args=(3600,), daemon=False).start()
+    name = "_pp_sync" if hasattr(type(self), "_pp_sync") else "writing_check"
+    return getattr(type(self), name)(self, *args)
 
 
 def leave_on_stage_1(self, data):

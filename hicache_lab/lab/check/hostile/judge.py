@@ -10,7 +10,7 @@ scratch directory of its own, which holds a user's files beside the run, and is 
 * **no file touched** outside the directories the run owns (`owns`, relative to the scratch directory);
 * **outputs exact** where the run completes (`exact`: its summary's oracle says every output matches).
 
-The cases live in `c01_*.py` ... `c10_*.py` beside this file, one per class (`CLASSES`), gathered in
+The cases live in `c01_*.py` ... `c11_*.py` beside this file, one per class (`CLASSES`), gathered in
 `cases.py`; `make test` runs the fast ones (tests/runs/test_hostile.py), `python -m hicache_lab soak --hostile`
 all of them (`command.py`), and the README's table is `table()` of them (a test keeps the two equal).
 """
@@ -72,6 +72,7 @@ CLASSES = {  # the class, and the module of its cases
     8: ("Failures that exit 0", "c08_silent_failures"),
     9: ("Blame and summaries", "c09_blame"),
     10: ("Values the preflight must refuse", "c10_preflight"),
+    11: ("Verdicts that could be fooled", "c11_verdicts"),
 }
 
 

@@ -1,0 +1,73 @@
+"""Class 11, verdicts that could be fooled: an interrupted `exercise` never passes a wrong answer, `compare` of
+two runs that went wrong alike never says a bare "equal", a deliberate change that cannot act is refused, and a
+student's module that ends its process at import is named, never an exit 0."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from ...presets import WORLD
+from ...sglang.cpu import SGLANG_VERSION, sglang_version
+from .common import OUT, USER_CODE, user_code
+from .judge import Hostile, Outcome, run_cli
+
+WRONG = "teaching/mistakes/pp_sync.py:two_stages_only"  # right at PP = 2, wrong from PP = 3: the second world
+
+
+def _sglang_missing() -> str | None:
+    return None if sglang_version() == SGLANG_VERSION else f"compare runs sglang {SGLANG_VERSION}'s cache"
+
+
+def _exercise_interrupted(scratch: Path) -> Outcome:
+    """Ctrl-C (SIGINT) as the check's second world starts, the one that would show the mistake."""
+    answer = Path(__file__).resolve().parents[4] / WRONG.partition(":")[0]
+
+    def during(proc: subprocess.Popen) -> None:
+        marker = scratch / "out" / "world1" / ".hicache_lab_run"
+        while proc.poll() is None and not marker.exists():
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)
+
+    outcome = run_cli(scratch, "exercise", "--pp-sync", f"{answer}:two_stages_only", *OUT, during=during)
+    return Outcome(None if "PASSED" in outcome.output else outcome.code, outcome.output, outcome.leftover)
+
+
+CASES = [
+    Hostile(
+        11,
+        "Ctrl-C during `exercise`, as the world that would show the wrong answer starts",
+        _exercise_interrupted,
+        128 + signal.SIGINT,
+        "could not judge: interrupted by SIGINT",
+        needs=lambda: None if (Path(__file__).resolve().parents[4] / "teaching").is_dir() else "no teaching/ here",
+    ),
+    Hostile(
+        11,
+        "`compare` of a world whose two runs diverge alike (`--disable-fix pp_relay`)",
+        user_code("compare", *WORLD.split(), "--pp", "2", "--num-rounds", "3", "--disable-fix", "pp_relay"),
+        1,
+        "equal, but both runs went wrong, identically",
+        owns=USER_CODE,
+        needs=_sglang_missing,
+    ),
+    Hostile(
+        11,
+        "`compare --mutant relay_skips_stage` on two stages, where the mutant changes nothing",
+        user_code("compare", *WORLD.split(), "--pp", "2", "--mutant", "relay_skips_stage"),
+        2,
+        "--mutant relay_skips_stage changes nothing in this world",
+        owns=USER_CODE,
+        needs=_sglang_missing,
+    ),
+    Hostile(
+        11,
+        "`exercise` with a module that calls os._exit(0) as it is imported",
+        user_code("exercise", "--pp-sync", "user_sync_top.py:f", top="import os\nos._exit(0)"),
+        2,
+        "importing it ended the process (exit code 0) before the import returned",
+        owns=USER_CODE,
+    ),
+]
