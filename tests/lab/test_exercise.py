@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from hicache_lab.__main__ import main
+from hicache_lab.lab.teach import exercise_cli
 from hicache_lab.lab.teach.exercise import HINT_ON_REQUEST, WORLDS, check
 from hicache_lab.lab.teach.exercise_cli import EXAMPLES, mistakes_table
 from hicache_lab.lab.teach.mistakes import MISTAKES
@@ -103,6 +105,15 @@ def test_the_docs_table_lists_every_kind_and_only_the_teachers_one_the_fixes():
         assert mistakes_table(hint=True) in teachers, "teaching/README.md's is `exercise --table --hint`"
 
 
+def test_a_student_edition_refuses_the_teachers_table(tmp_path, monkeypatch, capsys):
+    """Without teaching/ (a student edition) `--table --hint` would print every fix and point at files the
+    edition does not have; `--table` alone still prints the students' table."""
+    monkeypatch.setattr(exercise_cli, "ROOT", tmp_path)
+    assert main(["exercise", "--table", "--hint"]) == 2
+    assert "--table --hint is the teachers' table" in capsys.readouterr().err
+    assert main(["exercise", "--table"]) == 0 and mistakes_table() in capsys.readouterr().out
+
+
 @needs_teaching
 @pytest.mark.spawns
 def test_the_solutions_pass_every_world(tmp_path):
@@ -121,7 +132,9 @@ OTHER_ANSWERS = textwrap.dedent(
     """
     import torch.distributed as dist
 
-    from hicache_lab.lab.teach.exercise import HINT_ON_REQUEST, WORLDS, check
+    from hicache_lab.__main__ import main
+from hicache_lab.lab.teach import exercise_cli
+from hicache_lab.lab.teach.exercise import HINT_ON_REQUEST, WORLDS, check
 
 
     def star(self, data):

@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from ...parallel_config import SYNC_IMPL_SLOTS
+from .edition import LEFT_OUT, ROOT
 from .exercise import check
 from .mistakes import MISTAKES
 
@@ -74,6 +75,13 @@ def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_exercise(args: argparse.Namespace) -> int:
+    if args.table and args.hint and not (ROOT / LEFT_OUT).is_dir():
+        print(
+            f"--table --hint is the teachers' table, with every fix; this checkout has no {LEFT_OUT}/ (a student "
+            "edition): --table alone gives the students' table, and --hint on a verdict the fix for that mistake",
+            file=sys.stderr,
+        )
+        return 2
     if args.table:
         print(mistakes_table(args.hint))
         return 0
