@@ -46,7 +46,7 @@ def test_compare_catches_a_relay_that_skips_a_stage(tmp_path):
 
 def test_the_zoo_says_which_entries_run_on_sglangs_cache():
     runnable = {name for name, entry in ENTRIES.items() if not_on_sglang(entry) is None}
-    assert {"write_acks", "load_acks", "relay_send_growth", "write_back_heads"} <= runnable
+    assert {"write_acks", "load_acks", "relay_send_growth", "write_back_heads", "host_capacity"} <= runnable
     assert "lab's key format" in not_on_sglang(ENTRIES["storage_hits_per_stage"])
     assert "--fault" in not_on_sglang(ENTRIES["pop_empty"])
 

@@ -7,6 +7,7 @@ sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -18,6 +19,7 @@ from hicache_lab.lab.sglang import reverts
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
 from hicache_lab.lab.sglang.cache import sglang_modules
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang.world import served_model_name
 
 pytestmark = pytest.mark.skipif(
     sglang_version() != SGLANG_VERSION,
@@ -57,8 +59,11 @@ def test_a_revert_refuses_a_function_that_no_longer_holds_the_lines_it_undoes():
         "prefetch_groups",
         "agree_loads",
         "bounded_drain",
+        "host_capacity_min",
     }
-    assert "UnifiedRadixCache._all_reduce (#27285 undone)" in reverts.described(reverts.REVERTS)
+    described = reverts.described(reverts.REVERTS)
+    assert "UnifiedRadixCache._all_reduce (#27285 undone)" in described
+    assert "mem_cache.pool_host.base.sync_fixed_hicache_size (#29258 undone)" in described
     assert reverts.reverts_for(config(WORLD).parallel.fixes) == []
 
 
@@ -97,3 +102,47 @@ def test_sglangs_cache_on_cp2_with_a_file_store_reads_it_and_reverted_diverges(t
     assert sum(r["cached_storage"] for r in fixed["rounds"]) > 0
     legacy = run(config(WORLD, SGLANG, "--cp 2 --num-rounds 2 --sync legacy", L3), tmp_path / "legacy", verbose=False)
     assert legacy["diverged"]
+
+
+def test_a_special_file_in_sglangs_store_is_refused_before_any_rank_starts(tmp_path):
+    """SGLang's file backend opens a page with a blocking open(): a FIFO, a device or a socket there is refused,
+    naming the file; regular files, directories and dangling links are not."""
+    store = tmp_path / "store"
+    store.mkdir()
+    (store / "page_m_0_1.bin").write_bytes(b"x")
+    (store / "sub").mkdir()
+    (store / "gone").symlink_to(tmp_path / "nowhere")
+    cfg = config(WORLD, SGLANG, L3, f"--hicache-storage-dir {store}")
+    SGLANG_CACHE.check(cfg)
+    os.mkfifo(store / "fifo_m_0_1.bin")
+    with pytest.raises(ConfigError, match=r"fifo_m_0_1.bin in --hicache-storage-dir is a FIFO .*choose another"):
+        SGLANG_CACHE.check(cfg)
+    os.unlink(store / "fifo_m_0_1.bin")
+    (store / "zero_m_0_1.bin").symlink_to("/dev/zero")
+    with pytest.raises(ConfigError, match="zero_m_0_1.bin in --hicache-storage-dir is a character device"):
+        SGLANG_CACHE.check(cfg)
+
+
+def test_sglangs_model_name_is_the_labs_model_identity():
+    """Every model flag that changes a page's bytes changes the name SGLang's keys carry; nothing else does."""
+    name = served_model_name(config(WORLD).model)
+    for flags in ("--model-seed 7", "--mlp-size 64", "--vocab-size 200", "--dtype bfloat16"):
+        assert served_model_name(config(WORLD, flags).model) != name, flags
+    assert served_model_name(config(WORLD, "--num-clients 2 --pp 2").model) == name
+
+
+@pytest.mark.spawns
+def test_two_models_on_one_sglang_store_never_read_each_others_pages(tmp_path):
+    """The second model finds nothing in the first's store and answers exactly; the first, run again, finds its own
+    pages (wait_complete: every prefetch is waited for)."""
+    store = tmp_path / "store"
+    flags = (WORLD, SGLANG, L3, "--num-rounds 2 --hicache-storage-prefetch-policy wait_complete")
+    flags += (f"--hicache-storage-dir {store}",)
+    runs = {}
+    for name, model in (("first", ""), ("other", "--model-seed 7"), ("again", "")):
+        runs[name] = run(config(*flags, model), tmp_path / name, verbose=False)
+        assert runs[name]["completed"] and runs[name]["outputs_match_reference"] is True, name
+    assert runs["other"]["rounds"][0]["cached_storage"] == 0
+    assert runs["again"]["rounds"][0]["cached_storage"] > 0
+    names = {served_model_name(config(*flags, model).model).replace("/", "-") for model in ("", "--model-seed 7")}
+    assert {path.stem.split("_", 1)[1].rsplit("_", 2)[0] for path in store.glob("*.bin")} == names

@@ -6,6 +6,8 @@ starts, each with its reason.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import torch.distributed as dist
@@ -58,6 +60,52 @@ def refusals(cfg: RunConfig) -> list[str]:
     return [reason for ok, reason in checks if not ok]
 
 
+SPECIAL_FILES = (
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def special_file(directory: str) -> tuple[str, str] | None:
+    """The first file in `directory` (or a link in it to one) that is not a regular file or a directory, and
+    what it is; None if there is none (or no directory). Entries the directory listing says are regular files or
+    directories cost no stat."""
+    try:
+        entries = os.scandir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    with entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False) or entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                mode = os.stat(entry.path).st_mode  # a link: what it names
+            except OSError:
+                continue  # a dangling link: opening it fails at once
+            kind = next((name for test, name in SPECIAL_FILES if test(mode)), None)
+            if kind is not None:
+                return entry.path, kind
+    return None
+
+
+def refuse_special_files(cfg: RunConfig) -> None:
+    """SGLang's file backend opens a page's file with a blocking open(), whatever the file is: a FIFO under a
+    page's name blocks its reading thread forever (the run never ends and ignores SIGTERM). Refused before any
+    rank starts, at the first special file of the store (the lab's own backend reads such a file as a miss)."""
+    c = cfg.cache
+    if c.storage_backend != "file" or not c.storage_dir:
+        return
+    found = special_file(c.storage_dir)
+    if found is not None:
+        path, kind = found
+        raise ConfigError(
+            f"--cache-impl sglang: {path} in --hicache-storage-dir is {kind}, and SGLang's file backend would block "
+            "forever opening it: remove it, or choose another --hicache-storage-dir"
+        )
+
+
 class SGLangCacheBinder(Binder):
     fields = ("cache_impl",)
 
@@ -71,6 +119,7 @@ class SGLangCacheBinder(Binder):
         reasons = refusals(cfg)
         if reasons:
             raise ConfigError("--cache-impl sglang cannot run this: " + "; ".join(reasons))
+        refuse_special_files(cfg)
 
     def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path):
         if cfg.cache_impl != "sglang":
@@ -81,8 +130,11 @@ class SGLangCacheBinder(Binder):
             c.latency, kv.device, c.max_copy_delay_steps, c.injected_delay_ms, seed=cfg.workload.seed, rank=layout.rank
         )
         undone = reverts.reverts_for(cfg.parallel.fixes)
+        # the lab's count, which SGLang's own sizing must reach (world.host_pool_args): checked as it is built
+        host_tokens = sync.agree_host_capacity(c.host_tokens(kv.bytes_per_token)) if c.enable_hierarchical_cache else 0
         with reverts.applied(undone, lambda: {"UnifiedRadixCache": cache.cache, "HiCacheController": cache.controller}):
-            cache = SGLangRankCache(c, c.host_tokens(kv.bytes_per_token), clock, kv, world)
+            cache = SGLangRankCache(c, host_tokens, clock, kv, world)
+        self.host_tokens = cache.host_tokens
         self.replaced = reverts.described(undone)
         if c.storage_backend != "none" and not c.storage_dir:
             if layout.rank == 0:
@@ -94,8 +146,8 @@ class SGLangCacheBinder(Binder):
         if cfg.cache_impl != "sglang":
             return None
         observe_relay(parts.sync, parts.cache.cache)
-        replaced = self.replaced
-        return lambda: {"cache_impl": "sglang", "sglang_reverts": replaced}
+        replaced, host_tokens = self.replaced, self.host_tokens
+        return lambda: {"cache_impl": "sglang", "sglang_reverts": replaced, "sglang_host_tokens": host_tokens}
 
 
 def observe_relay(sync: CacheSync, sglang) -> None:

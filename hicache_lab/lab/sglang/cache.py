@@ -34,6 +34,7 @@ from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import CopyJob
 from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
+from .world import host_pool_args
 
 _NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
 
@@ -53,6 +54,7 @@ def sglang_modules():
     prepare_imports()
     with quiet_imports():
         from sglang.srt import server_args
+        from sglang.srt.arg_groups import hicache_hook, resolution_hooks
         from sglang.srt.mem_cache import (
             base_prefix_cache,
             cache_init_params,
@@ -66,6 +68,8 @@ def sglang_modules():
     install_cpu_replacements()
     # CPU events keep no time, so SGLang's copy timing is off; it says so at every copy engine it builds.
     logging.getLogger(l2_transfer.__name__).setLevel(logging.ERROR)
+    # Its hook says at every build that the direct io backend turns page_first into page_first_direct.
+    logging.getLogger(hicache_hook.__name__).setLevel(logging.ERROR)
     return types.SimpleNamespace(
         params=base_prefix_cache,
         RadixKey=radix_cache.RadixKey,
@@ -78,6 +82,8 @@ def sglang_modules():
         FULL=component_type.ComponentType.FULL,
         ServerArgs=server_args.ServerArgs,
         publish=server_args.set_global_server_args_for_scheduler,
+        run_hook=resolution_hooks.run_hook,
+        handle_hicache=hicache_hook.handle_hicache,
     )
 
 
@@ -93,22 +99,20 @@ class SGLangCache:
         shape = shape or KVShape(num_layers=2, num_heads=1, head_dim=2)
         ps, size = cfg.page_size, cfg.max_total_tokens
         hierarchical = cfg.enable_hierarchical_cache
-        # SGLang sizes its host pool as int(device tokens * ratio) // page + 1 pages: the ratio that gives the lab's.
-        ratio = (host_tokens - ps) / size if hierarchical else 2.0
         server_args = sg.ServerArgs(
-            model_path="dummy",
+            model_path="dummy",  # any other path makes SGLang's resolution read that model's config
             device="cpu",
             page_size=ps,
             enable_hierarchical_cache=hierarchical,
             hicache_io_backend="direct",
-            # with the direct io backend SGLang turns page_first into page_first_direct (its
-            # resolve_layout_io_compatibility); the ServerArgs built here are not resolved, so it is done here
-            hicache_mem_layout="page_first_direct" if cfg.host_layout == "page_first" else cfg.host_layout,
+            hicache_mem_layout=cfg.host_layout,
             hicache_write_policy=cfg.write_policy,
-            hicache_ratio=ratio + 1e-9,
-            hicache_size=0,
+            **host_pool_args(cfg, host_tokens, shape, world),
             **(world.server_args() if world is not None else {}),
         )
+        # SGLang's own resolution of the host tier's flags (with the direct io backend, page_first becomes
+        # page_first_direct); the rest of its resolution stops at a dummy model
+        sg.run_hook(sg.handle_hicache, server_args)
         sg.publish(server_args)
         if world is not None:
             world.publish()
@@ -135,7 +139,7 @@ class SGLangCache:
             **(world.cache_params() if world is not None else {}),
         )
         self.cache = sg.UnifiedRadixCache(params)
-        self.controller = None
+        self.controller, self.host_tokens = None, 0
         if hierarchical:
             self.cache.init_hicache(server_args, params)
             self.controller = self.cache.cache_controller
@@ -143,6 +147,7 @@ class SGLangCache:
             host = self.controller.mem_pool_host.available_size()
             if host != host_tokens:
                 raise RuntimeError(f"SGLang's host pool holds {host} tokens, the lab's {host_tokens}")
+            self.host_tokens = host
         self.locks: dict[int, list] = {}  # node id -> receipts of the locks the lab's caller holds on it
 
     def _time_copies_by(self, clock) -> None:

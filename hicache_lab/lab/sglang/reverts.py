@@ -71,6 +71,12 @@ def _reap_by_polling(self, *, released):
     self.work_list[:] = [work for work in self.work_list if not work.is_completed()]
 
 
+def _own_stage_size(size: int, host_size, *, released) -> int:
+    """Before #29258: a host pool sized in bytes keeps the tokens its own stage's bytes per token give; stages
+    holding fewer layers hold more tokens, and evict from the host later than the others."""
+    return size
+
+
 def _prefetch_groups_tp_only(self, *, released):
     """Before #20460/#27010: the storage threads agree over the TP group of their stage alone."""
     from sglang.srt.distributed.parallel_state import create_custom_parallel_group  # sglang: only where it runs
@@ -85,7 +91,7 @@ def _prefetch_groups_tp_only(self, *, released):
 class Revert:
     fix: str  # the lab's sync fix whose absence this is
     module: str
-    owner: str  # the class
+    owner: str  # the class, or "" for a function of the module
     name: str  # the function replaced
     pr: str  # the PR whose lines it undoes
     holds: tuple[str, ...]  # lines of 0.5.23's function that the revert undoes: they must be there
@@ -93,12 +99,13 @@ class Revert:
 
     @property
     def where(self) -> str:
-        return f"{self.owner}.{self.name}"
+        return f"{self.owner or self.module.removeprefix('sglang.srt.')}.{self.name}"
 
     def target(self):
-        """The class and its 0.5.23 function; RuntimeError where the function no longer holds `holds`."""
+        """The class (or module) and its 0.5.23 function; RuntimeError where the function no longer holds `holds`."""
         sglang_modules()  # sglang imported the lab's way (its CPU stand-ins) before a module of it is
-        owner = getattr(importlib.import_module(self.module), self.owner)
+        module = importlib.import_module(self.module)
+        owner = getattr(module, self.owner) if self.owner else module
         function = owner.__dict__.get(self.name)
         source = inspect.getsource(function) if function is not None else ""
         moved = [line for line in self.holds if line not in source]
@@ -166,6 +173,15 @@ REVERTS = (
         ("work.wait()", "self.work_list.clear()"),
         _reap_by_polling,
     ),
+    Revert(
+        "host_capacity_min",
+        "sglang.srt.mem_cache.pool_host.base",
+        "",
+        "sync_fixed_hicache_size",
+        "#29258",
+        ("op=torch.distributed.ReduceOp.MIN", "group=pp_group.cpu_group"),
+        _own_stage_size,
+    ),
 )
 # The lab's fixes with no site in 0.5.23 to revert (lab proposals, closed PRs, fixes of other releases): SGLang's
 # cache does what 0.5.23 does whatever they are.
@@ -180,11 +196,13 @@ def reverts_for(fixes: frozenset[str]) -> list[Revert]:
 @contextlib.contextmanager
 def applied(reverts: list[Revert], built: Callable[[], dict]):
     """Each revert in place while the cache is built (SGLang's controller builds its prefetch groups as it is
-    built), then bound to the objects built (`built()`: owner class name -> object) and the classes restored:
-    the replacements live in this rank's own objects only (a one-rank run shares its process with its caller)."""
+    built, its host pool is sized there), then bound to the objects built (`built()`: owner class name -> object)
+    and the classes and modules restored: the replacements live in this rank's own objects only (a one-rank run
+    shares its process with its caller); a module's function is called only while the cache is built."""
     targets = [(revert, *revert.target()) for revert in reverts]  # every one checked before any is applied
     for revert, owner, original in targets:
-        setattr(owner, revert.name, functools.partialmethod(revert.replacement, released=original))
+        bound = functools.partialmethod if revert.owner else functools.partial  # a method, or a module's function
+        setattr(owner, revert.name, bound(revert.replacement, released=original))
     try:
         yield
     finally:
@@ -192,7 +210,7 @@ def applied(reverts: list[Revert], built: Callable[[], dict]):
             setattr(owner, revert.name, original)
     objects = built()
     for revert, _, original in targets:
-        if (obj := objects.get(revert.owner)) is not None:
+        if revert.owner and (obj := objects.get(revert.owner)) is not None:
             setattr(obj, revert.name, types.MethodType(functools.partial(revert.replacement, released=original), obj))
 
 

@@ -1,10 +1,13 @@
-"""Class 1, storage serves another model's KV: a store filled by one model, read by another; or by one layout
-of the model, read by another (its ranks hold other heads)."""
+"""Class 1, storage serves another model's KV: a store filled by one model, read by another (by the lab's cache
+or by SGLang's own, `--cache-impl sglang`); or by one layout of the model, read by another (its ranks hold other
+heads)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from ...sglang.cpu import SGLANG_VERSION, sglang_version
 from .common import STORE, R
 from .judge import Hostile, Outcome, run_cli
 
@@ -30,6 +33,25 @@ def _two_layouts(scratch: Path) -> Outcome:
     if changed := [name for name, data in first.items() if (scratch / "store" / name).read_bytes() != data]:
         return Outcome(
             None, outcome.output + f"\n{len(changed)} of the first layout's pages rewritten", outcome.leftover
+        )
+    return outcome
+
+
+def _sglang_missing() -> str | None:
+    return None if sglang_version() == SGLANG_VERSION else f"--cache-impl sglang runs sglang {SGLANG_VERSION}"
+
+
+def _two_models_on_sglangs_store(scratch: Path) -> Outcome:
+    """SGLang's own cache fills a store with one model, then runs another `--model-seed` (same page shape) on it:
+    SGLang's keys name the model, so the second model's first round finds nothing in the store."""
+    sglang = ("--cache-impl", "sglang")
+    run_cli(scratch, *R, *sglang, "--out", "first")
+    outcome = run_cli(scratch, *R, *sglang, "--model-seed", "7", "--check-outputs", "--out", "out")
+    summary = scratch / "out" / "summary.json"
+    rounds = json.loads(summary.read_text())["rounds"] if summary.is_file() else []
+    if rounds and (hits := rounds[0]["cached_storage"]):
+        return Outcome(
+            None, outcome.output + f"\nround 0 read {hits} tokens of the other model's pages", outcome.leftover
         )
     return outcome
 
@@ -61,5 +83,15 @@ CASES = [
         "outputs_match_reference: True",
         owns=STORE,
         exact=True,
+    ),
+    Hostile(
+        1,
+        "fills a store with SGLang's own cache (`--cache-impl sglang`), then runs another `--model-seed` on it",
+        _two_models_on_sglangs_store,
+        0,
+        "outputs_match_reference: True",
+        owns=STORE,
+        exact=True,
+        needs=_sglang_missing,
     ),
 ]
