@@ -60,6 +60,7 @@ def test_mooncake_where_it_cannot_run_is_refused_before_any_rank_starts(tmp_path
     ("args", "message"),
     [
         (["--max-total-tokens", str(10**12)], "for device KV pools: lower --max-total-tokens"),
+        (["--num-layers", str(10**7)], "for device KV pools: lower --max-total-tokens or --num-layers"),
         (["--enable-hierarchical-cache", "--hicache-ratio", "1e12"], "for host KV pools: lower --hicache-ratio"),
         (["--enable-hierarchical-cache", "--hicache-size", "1e6"], "for host KV pools: lower --hicache-size"),
         (["--vocab-size", str(10**9), "--num-clients", "1"], "for model weights: lower --vocab-size"),
@@ -76,6 +77,28 @@ def test_a_world_larger_than_this_machine_is_refused_naming_the_flag(args, messa
     err = capsys.readouterr().err
     assert "more than this machine's" in err and message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_host_pool_sized_in_bytes_too_small_names_the_size_alone(tmp_path, capsys):
+    """Beside --hicache-size the ratio sizes nothing: the advice names the size (and says the ratio is idle)."""
+    from hicache_lab.__main__ import main
+
+    flags = ["--enable-hierarchical-cache", "--hicache-size", "0.001", "--hicache-ratio", "5"]
+    assert main(["run", *flags, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "raise --hicache-size past 0.00944 GB (--hicache-ratio 5 does nothing beside it)" in err, err
+    assert "or --hicache-ratio" not in err
+
+
+def test_a_gloo_interface_that_cannot_connect_is_refused_naming_the_variable(monkeypatch):
+    preflight.check_gloo_interface("lo")  # loopback has 127.0.0.1
+    with pytest.raises(
+        ConfigError, match="GLOO_SOCKET_IFNAME=lo,nonexistent0: 'nonexistent0' is not a network interface"
+    ):
+        preflight.check_gloo_interface("lo,nonexistent0")
+    monkeypatch.setattr(preflight, "_has_address", lambda name: name != "lo")  # an interface that is down
+    with pytest.raises(ConfigError, match="'lo' has no address, .*unset GLOO_SOCKET_IFNAME, or name an interface"):
+        preflight.check_gloo_interface("lo")
 
 
 def test_the_memory_check_is_against_this_machine(monkeypatch, tmp_path):
@@ -159,3 +182,54 @@ def test_exhaustive_refuses_work_past_its_bound_before_enumerating(stages, copie
         check_work(stages, copies, max_delay, ["fixed", "legacy"])
     assert time.monotonic() - started < 10  # refused up front: enumerating the first three would take hours
     assert check_work(2, 3, 3, ["fixed", "legacy"]) == 529 * 2 * 7 * 2  # the README's run stays allowed
+
+
+# -- flags that can do nothing here: warned of at start and listed in the summary ---------------------------------
+
+ST = "--enable-hierarchical-cache --hicache-storage-backend file --storage-prefetch-threshold 16"
+IDLE = "(one rank has no one to agree with)"
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (f"{ST} --prefetch-timeout-base 0 --prefetch-timeout-per-ki-token 0",
+         ["--prefetch-timeout-base 0 does nothing under --latency virtual, where the timeout policy counts steps: "
+          "--storage-prefetch-timeout-steps", "--prefetch-timeout-per-ki-token 0 does nothing under --latency"]),
+        (f"{ST} --latency real --storage-prefetch-timeout-steps 9",
+         ["--storage-prefetch-timeout-steps 9 does nothing under --latency real, where the timeout policy waits"]),
+        (f"{ST} --hicache-storage-prefetch-policy best_effort --storage-prefetch-timeout-steps 9",
+         ["--storage-prefetch-timeout-steps 9 does nothing without --hicache-storage-prefetch-policy timeout"]),
+        ("--enable-hierarchical-cache --hicache-size 0.01 --hicache-ratio 5",
+         ["--hicache-ratio 5 does nothing beside --hicache-size, which sizes the host pool instead"]),
+        (f"{ST} --hicache-storage-writers one --tp 2", ["--hicache-storage-writers one does nothing without --cp 2"]),
+        ("--sync legacy --disable-fix pp_relay --disable-fix cp_groups",
+         [f"--sync legacy does nothing without two ranks or more {IDLE}",
+          f"--disable-fix pp_relay,cp_groups does nothing without two ranks or more {IDLE}"]),
+        ("--tp 2 --disable-fix pp_relay --disable-fix cp_groups --enable-fix multi_hop_relay --pp 2",
+         ["--enable-fix multi_hop_relay does nothing without --pp 3 or more",
+          "--disable-fix cp_groups does nothing without --cp 2 or more"]),
+        ("--num-clients 4 --num-rounds 3 --enable-hierarchical-cache --pp 2 --consensus-check 100000",
+         ["--consensus-check 100000 does nothing past step 0 (where every rank agrees): unless it stalls, this run "
+          "takes fewer than 1176 steps"]),
+    ],
+)  # fmt: skip
+def test_a_flag_that_can_do_nothing_here_is_warned_of_saying_why(flags, said):
+    """Each warning names the flag, its value and why it cannot act here (for --consensus-check, a bound on the
+    run's steps); the flags that act warn of nothing."""
+    from hicache_lab.lab.presets import config
+
+    idle = preflight.idle_flags(config(flags))
+    assert len(idle) == len(said) and all(words in line for words, line in zip(said, idle, strict=True)), idle
+
+
+def test_the_same_flags_where_they_act_warn_of_nothing():
+    from hicache_lab.lab.presets import config
+
+    for flags in (
+        f"{ST} --latency real --prefetch-timeout-base 0 --prefetch-timeout-per-ki-token 0",
+        f"{ST} --storage-prefetch-timeout-steps 9 --hicache-storage-writers one --cp 2",
+        "--pp 3 --sync legacy --disable-fix cp_groups --enable-fix multi_hop_relay --cp 2 --consensus-check 50",
+        "--enable-hierarchical-cache --hicache-size 0.01 --pp 2 --consensus-check 100000 --latency real",
+    ):
+        assert preflight.idle_flags(config(flags)) == [], flags
