@@ -142,6 +142,9 @@ class SGLangCacheBinder(Binder):
             dist.barrier()  # before any rank writes to it
         return cache.pool, cache
 
+    def runs_unbounded_code(self, cfg: RunConfig) -> bool:
+        return cfg.cache_impl != "lab"  # SGLang's storage threads and collectives: a rank of its own, watched
+
     def bind(self, cfg: RunConfig, parts, out_dir: Path):
         if cfg.cache_impl != "sglang":
             return None

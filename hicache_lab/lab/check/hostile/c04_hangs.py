@@ -9,6 +9,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from ...sglang.cpu import SGLANG_VERSION, sglang_version
 from .common import (
     ONE_RANK,
     OUT,
@@ -26,7 +27,7 @@ from .common import (
 from .judge import Hostile, Outcome, run_cli
 
 
-def _special_files(make: Callable[[Path], None]):
+def _special_files(make: Callable[[Path], None], flags: tuple[str, ...] = ()):
     """A case that fills the store with R, puts a special file (`make(path)`) under every page's name, then runs
     R on it again: each must be a miss, never a read that blocks or never ends."""
 
@@ -35,7 +36,7 @@ def _special_files(make: Callable[[Path], None]):
             file.unlink()
             make(file)
 
-    return after_filling(change)
+    return after_filling(change, flags)
 
 
 def _million_ids() -> str:
@@ -181,6 +182,16 @@ CASES = [
         "outputs_match_reference: True",
         owns=STORE,
         exact=True,
+    ),
+    Hostile(
+        4,
+        "puts a FIFO under every page's name in a store SGLang's own cache filled (`--cache-impl sglang`): its file "
+        "backend would block opening one",
+        _special_files(os.mkfifo, ("--cache-impl", "sglang")),
+        2,
+        "in --hicache-storage-dir is a FIFO (named pipe), and SGLang's file backend would block forever",
+        owns=STORE,
+        needs=lambda: None if sglang_version() == SGLANG_VERSION else f"it runs sglang {SGLANG_VERSION}'s cache",
     ),
     *(_bound(row, slow=False) for row in BOUNDS),
     *(_bound(row, slow=True) for row in SLOW_BOUNDS),

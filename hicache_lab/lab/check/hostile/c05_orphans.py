@@ -12,7 +12,7 @@ from pathlib import Path
 from ....mem_cache.mooncake_store import mooncake_missing
 from ...presets import WORLD
 from .common import SMALL, USER_CODE, WORLD2, children, running, signalled, user_code
-from .judge import Hostile, Outcome, processes, run_cli
+from .judge import LINGER_S, Hostile, Outcome, processes, run_cli
 
 
 def _master_killed(scratch: Path) -> Outcome:
@@ -54,9 +54,15 @@ def _soak_stopped(scratch: Path) -> Outcome:
 
     soak = ("soak", "--seed", "5", "--max-ranks", "2", "--runs", "4", "--modes", "fixed", "--jobs", "2")
     outcome = run_cli(scratch, *soak, "--out", "out", "--results", "out", during=during)
-    time.sleep(1)
-    left = [f"pid {p}: {c}" for p, c in processes(lambda f: True).items() if _cwd(p) == scratch.resolve()]
+    deadline = time.monotonic() + LINGER_S  # a process that is ending may take a moment on a loaded machine
+    while (left := _in(scratch)) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return Outcome(outcome.code, outcome.output, outcome.leftover + left)
+
+
+def _in(scratch: Path) -> list[str]:
+    """Every process whose working directory is `scratch`."""
+    return [f"pid {p}: {c}" for p, c in processes(lambda f: True).items() if _cwd(p) == scratch.resolve()]
 
 
 def _cwd(pid: int) -> Path | None:
@@ -69,9 +75,9 @@ def _cwd(pid: int) -> Path | None:
 FORKS_ON_STAGES = ("--sync-impl", "pp_sync=user_sync.py:forks")
 
 
-def _forked_in_the_launcher(scratch: Path) -> Outcome:
-    """A one-rank run (its rank is the launcher) whose writing_check forks a sleeping child, then a second run
-    on the same `out/`: the child must neither outlive the first run nor hold `out/` locked."""
+def _forked_then_run_again(scratch: Path) -> Outcome:
+    """A one-rank run whose writing_check forks a sleeping child, then a second run on the same `out/`: the
+    child must neither outlive the first run nor hold `out/` locked."""
     first = user_code(*SMALL, "--sync-impl", "writing_check=user_sync.py:forks")(scratch)
     if first.code != 0:
         return first
@@ -145,7 +151,7 @@ CASES = [
     Hostile(
         5,
         "a one-rank run whose --sync-impl forks, then a run on its --out",
-        _forked_in_the_launcher,
+        _forked_then_run_again,
         0,
         "ended 1 process(es) the run left behind",
         owns=USER_CODE,

@@ -4,7 +4,6 @@ world: a second RANK=0 on a port a world holds, a rank of another world on that 
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from pathlib import Path
@@ -64,10 +63,9 @@ def _intruders(scratch: Path) -> Outcome:
     ]
     for thread in threads:
         thread.start()
-    deadline = time.monotonic() + 60
-    while socket.socket().connect_ex(("127.0.0.1", port)) != 0 and time.monotonic() < deadline:
+    deadline = time.monotonic() + 120  # both ranks joined: each traces once it has met the other
+    while len(list((scratch / "out").glob("trace_rank*.jsonl"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
-    time.sleep(1)  # both ranks joined
     intruders: list[Outcome] = [Outcome(None, ""), Outcome(None, "")]
 
     def intrude(r: int) -> None:
