@@ -61,6 +61,7 @@ def test_a_trace_cut_short_keeps_its_whole_lines(tmp_path):
     assert read_trace(tmp_path) == [{"rank": 0, "step": 0}]
 
 
+@pytest.mark.spawns  # a run with a --sync-impl starts processes (its import is checked in one, and its rank)
 def test_the_cleanup_knows_every_file_a_run_writes(small_config, tmp_path):
     """What a run with every writer of its own turned on leaves in --out: each name is one the start-of-run
     cleanup deletes (LAB_FILES), so a link planted under it is removed rather than written through."""
