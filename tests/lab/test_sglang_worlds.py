@@ -77,8 +77,10 @@ def test_stage_layers_split_a_model_as_sglangs_get_pp_indices():
             assert [(r.start, r.stop) for r in ours] == [get_pp_indices(layers, rank, pp) for rank in range(pp)]
 
 
+@pytest.mark.spawns
 def test_a_one_rank_legacy_run_reverts_its_own_cache_only(tmp_path):
-    """A one-rank run shares the caller's process: the reverts live in that run's objects, the classes stay."""
+    """A one-rank run of SGLang's cache runs in a process of its own (launch.runs_unbounded_code): the reverts
+    live in that run's objects, and the caller's classes stay 0.5.23's."""
     summary = run(config(WORLD, SGLANG, "--sync legacy"), tmp_path, verbose=False)
     assert summary["completed"]
     for revert in reverts.REVERTS:

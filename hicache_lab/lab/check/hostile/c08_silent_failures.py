@@ -45,7 +45,7 @@ def _sglang_missing() -> str | None:
 CASES = [
     Hostile(
         8,
-        "`--sync-impl writing_check=...` that calls sys.exit(0), one rank (it runs in the launcher's process)",
+        "`--sync-impl writing_check=...` that calls sys.exit(0), one rank (in a process of its own, as any plug-in)",
         user_code(*ONE_RANK, "--sync-impl", "writing_check=user_sync:leave"),
         1,
         "--sync-impl writing_check=user_sync:leave called sys.exit(0): it must return, or raise an exception",
