@@ -33,7 +33,7 @@ from ..errors import ConfigError
 from .binders import Binder, check_all
 from .ending import Adopted, Interrupted, SignalGuard, die_with_parent, process_state
 from .mooncake_master import start_mooncake_master, stop_master
-from .outdir import Claim, OutputError
+from .outdir import Claim, OutputError, cannot_write
 from .preflight import idle_flags, preflight
 from .rank import new_result, record_crash, record_interrupt, run_rank, write_result
 from .report import WorldEnd, print_summary, summarize
@@ -176,7 +176,10 @@ def spawn_world(cfg: RunConfig, out_dir: Path, run_id: str, binders: tuple[Binde
     and what each rank the launcher stopped was doing."""
     ctx, world = rank_processes(), cfg.parallel.world_size
     server = serve_store(cfg.parallel.collective_timeout_s)
-    beats = ctx.Array("d", world, lock=False)
+    try:
+        beats = ctx.Array("d", world, lock=False)  # shared memory: a file of a page in the temporary directory
+    except OSError as exc:
+        raise cannot_write(f"the ranks' heartbeats (shared memory, {tempfile.gettempdir()})", exc) from None
     args = (out_dir, run_id, (dict(os.environ), os.getpid()), binders, beats)
     procs = [ctx.Process(target=_rank_main, args=(cfg, r, server.port, *args)) for r in range(world)]
     end, failed_at = WorldEnd(run_id), None

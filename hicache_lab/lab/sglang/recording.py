@@ -176,10 +176,13 @@ class RecordingCache:
         self._record("flush", {})
 
     def close(self) -> None:
-        """The recording's last line says how many operations it holds: a file cut short has none."""
-        self._write({"op": "end", "operations": self.operations})
-        self._file.close()
-        self._cache.close()
+        """The recording's last line says how many operations it holds: a file cut short has none. The cache
+        closes (its copy threads end) even where the recording cannot be written."""
+        try:
+            self._write({"op": "end", "operations": self.operations})
+            self._file.close()
+        finally:
+            self._cache.close()
 
 
 RECORDING = RecordingBinder()
