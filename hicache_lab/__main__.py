@@ -219,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LAUNCH_WORLDS = {  # the commands that start worlds of their own: never one rank of torchrun's
+    cmd_demo: "demo",
+    cmd_figures: "figures",
+    cmd_soak: "soak",
+    cmd_zoo: "zoo",
+    cmd_compare: "compare",
+    cmd_exercise: "exercise",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     """The command `argv` asks for, run; its exit status (the module's docstring)."""
     if signal.getsignal(signal.SIGINT) is _interrupted_while_loading:  # loaded: Ctrl-C is the commands' to handle
@@ -227,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "out", None) is not None and not args.out.strip():
             raise ConfigError("--out '' names no directory (it would be the working directory): give one")
+        if args.func in LAUNCH_WORLDS and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
+            name = LAUNCH_WORLDS[args.func]
+            raise ConfigError(
+                f"{name} launches worlds of its own, and RANK/WORLD_SIZE say this process is one rank of another "
+                f"(torchrun): run `python -m hicache_lab {name}` alone (unset {' '.join(TORCHRUN_VARIABLES)}); "
+                "under torchrun, `run` is the command"
+            )
         return args.func(args)
     except ConfigError as exc:
         print(f"configuration error: {exc}", file=sys.stderr)

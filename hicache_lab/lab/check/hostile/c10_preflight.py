@@ -46,6 +46,10 @@ FAST = [  # (what the adversary does, `python -m hicache_lab` ARGS, what the lab
     ("stale `RANK=3 WORLD_SIZE=2` in the environment", "run --out out",
      f"RANK is not an integer in 0..1 (WORLD_SIZE 2) (RANK='3', WORLD_SIZE='2'): {STALE}",
      _environ(RANK="3", WORLD_SIZE="2") | {"in_process": False}),  # the one in a process of its own
+    ("`torchrun --nproc-per-node 2 -m hicache_lab compare`: a command that launches its own worlds, in every rank",
+     "compare --pp 2 --enable-hierarchical-cache --out out",
+     "compare launches worlds of its own, and RANK/WORLD_SIZE say this process is one rank of another",
+     _environ(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29511")),
     ("stale `WORLD_SIZE=2` alone in the environment", "run --out out",
      f"RANK is missing (WORLD_SIZE='2'): {STALE}", _environ(WORLD_SIZE="2")),
     ("a `--trace-file` line whose `hash_ids` hold `true` (a bool is no id)", "run --trace-file t.jsonl --out out",
