@@ -28,6 +28,21 @@ from .args import FIELD_FLAGS
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
 PAGE_BOOKKEEPING_BYTES = 25  # a pool's allocator per page (PageAllocator): 3 int64 arrays and a bool one
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+MASTER_PROBE_S = 5.0  # how long a --mooncake-master may take to accept a connection
+
+
+def check_listens(address: str) -> None:
+    """Something accepts connections at `--mooncake-master` HOST:PORT (Mooncake's client would otherwise retry
+    inside C++ for minutes, deaf to signals)."""
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=MASTER_PROBE_S).close()
+    except OSError as exc:
+        raise ConfigError(
+            f"--mooncake-master {address}: nothing accepts connections there ({exc.strerror or exc}): start "
+            "mooncake_master at that address, or leave out --mooncake-master and --mooncake-metadata-url (the run "
+            "then starts one)"
+        ) from None
 
 
 def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
@@ -37,6 +52,8 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
         raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
     if c.storage_backend == "mooncake" and (why := mooncake_missing()):
         raise ConfigError(f"--hicache-storage-backend mooncake: {why}; or use --hicache-storage-backend file")
+    if c.storage_backend == "mooncake" and c.mooncake_master:
+        check_listens(c.mooncake_master)
     check_gloo_interface(os.environ.get("GLOO_SOCKET_IFNAME", ""))
     if out_dir:
         check_writable_dir(out_dir, "--out")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
 import time
 
 import pytest
@@ -88,6 +89,17 @@ def test_a_host_pool_sized_in_bytes_too_small_names_the_size_alone(tmp_path, cap
     err = capsys.readouterr().err
     assert "raise --hicache-size past 0.00944 GB (--hicache-ratio 5 does nothing beside it)" in err, err
     assert "or --hicache-ratio" not in err
+
+
+def test_a_mooncake_master_where_nothing_listens_is_refused_at_once():
+    """Mooncake's client would retry for minutes inside C++, deaf to signals: nothing listening is refused first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound, never listening: connections are refused
+        with pytest.raises(ConfigError, match=f"--mooncake-master 127.0.0.1:{port}: nothing accepts connections"):
+            preflight.check_listens(f"127.0.0.1:{port}")
+        s.listen()
+        preflight.check_listens(f"127.0.0.1:{port}")
 
 
 def test_a_gloo_interface_that_cannot_connect_is_refused_naming_the_variable(monkeypatch):
