@@ -61,11 +61,19 @@ def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
         try:
             check_writable_dir(c.storage_dir, "--hicache-storage-dir")
         except ConfigError:  # a pre-filled store shared read-only is read, never written (FileStorage.read_only)
-            if not any(Path(c.storage_dir).glob("*.bin")):
+            if not _holds_pages(Path(c.storage_dir)):
                 raise
     check_memory(cfg)
     if c.enable_hierarchical_cache:
         check_host_pools(cfg)
+
+
+def _holds_pages(directory: Path) -> bool:
+    """Whether `directory` holds page files (False where it cannot be read, or its name is past the limits)."""
+    try:
+        return any(directory.glob("*.bin"))
+    except OSError:
+        return False
 
 
 def check_memory(cfg: RunConfig) -> None:
