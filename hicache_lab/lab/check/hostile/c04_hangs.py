@@ -135,6 +135,14 @@ SYNC_IMPL = [
     ),
     Hostile(
         4,
+        "`--sync-impl writing_check=...` that calls os._exit(0), one rank (no exception, no result, exit code 0)",
+        user_code(*ONE_RANK, "--sync-impl", "writing_check=user_sync:ends_the_process"),
+        1,
+        "crashed (rank 0): rank 0 exited with code 0 (code the rank ran ended its process",
+        owns=USER_CODE,
+    ),
+    Hostile(
+        4,
         "`--sync-impl pp_sync=...` whose first call starts a thread (not a daemon) that sleeps an hour, two stages",
         user_code(*ONE_RANK, "--pp", "2", "--sync-impl", "pp_sync=user_sync:leaves_a_thread"),
         0,

@@ -55,6 +55,16 @@ CASES = [
     ),
     Hostile(
         11,
+        "`compare` of two stages whose host pools are sized in bytes (`--hicache-size`): SGLang's own agreement on "
+        "the host capacity (#29258) must run, not be blamed for the crash it prevents",
+        user_code("compare", *WORLD.split(), "--pp", "2", "--hicache-size", "0.0004"),
+        0,
+        "equal: ",
+        owns=USER_CODE,
+        needs=_sglang_missing,
+    ),
+    Hostile(
+        11,
         "`compare --mutant relay_skips_stage` on two stages, where the mutant changes nothing",
         user_code("compare", *WORLD.split(), "--pp", "2", "--mutant", "relay_skips_stage"),
         2,
