@@ -132,9 +132,7 @@ OTHER_ANSWERS = textwrap.dedent(
     """
     import torch.distributed as dist
 
-    from hicache_lab.__main__ import main
-from hicache_lab.lab.teach import exercise_cli
-from hicache_lab.lab.teach.exercise import HINT_ON_REQUEST, WORLDS, check
+    from hicache_lab.lab.teach.exercise import HINT_ON_REQUEST, WORLDS, check
 
 
     def star(self, data):

@@ -10,7 +10,10 @@ a chunked prefill size, an answer length (long answers run out of decode memory:
 rank in a third of the cases (`alloc-fail:R@N`, its Nth slot allocation for a copy fails; or, with the file
 store, `damage-page:R@N`, the Nth page it reads is damaged on disk), in a quarter a pause of one rank
 (SIGSTOP, then SIGCONT 1-4 s later: well inside the collective timeout), at PP > 1 an async batch depth of
-0-2 micro-batches (`--pp-async-batch-depth`), and a workload seed. The same case
+0-2 micro-batches (`--pp-async-batch-depth`), in a quarter one of the lab's own functions loaded as a plug-in
+(`--sync-impl`, `PLUGINS`: the plug-in's path, a process of its own even alone, every call audited), in an
+eighth a Ctrl-C (SIGINT to the run's process group 0.2-2 s after its ranks started: it must end with its
+summary, as any run interrupted; soak_signals.py), and a workload seed. The same case
 then runs once in each mode (`fixed`, `legacy`), as its own `python -m hicache_lab run` process group with a
 hard wall-clock limit. A `fixed` case with an allocation fault also turns on the proposals that answer it
 (`parallel_config.PROPOSALS`: #31425, #38273), which no release has: released 0.5.23 fails there, as SGLang
@@ -50,11 +53,16 @@ from ...errors import ConfigError
 from ...parallel_config import PROPOSALS, SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
 from .hostile.command import add_hostile_flags, cmd_hostile
-from .hostile.common import forked_ranks
 from .soak_results import OUTCOMES, is_true, read_rows, write_table
+from .soak_signals import interrupt, pause
 
 LIVE: set[subprocess.Popen] = set()  # the runs in flight: a soak that is stopped kills their process groups
 MIN_LIMIT_S = 20  # seconds: below it, runs whose ranks are still starting would be counted as hangs
+PLUGINS = (  # the lab's own functions as --sync-impl plug-ins: a plug-in's path (its own process, the audit)
+    "pp_sync=hicache_lab.distributed.cache_sync:CacheSync._pp_sync",
+    "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check",
+    "attn_groups=hicache_lab.distributed.cache_sync:CacheSync._attn_groups",
+)
 
 
 @dataclass
@@ -76,6 +84,8 @@ class Case:
     fault: str  # "alloc-fail:R@N" or "damage-page:R@N" (file store only); "" for none
     pause: str  # "R@T+D": rank R is stopped T s after the start, for D s; "" for none
     depth: int  # --pp-async-batch-depth (0-2 at pp > 1): micro-batch slots beyond pp
+    plugin: str  # a --sync-impl: one of the lab's own functions loaded as a plug-in (PLUGINS); "" for none
+    interrupt: str  # "T": SIGINT to the run's process group T s after its ranks started; "" for none
 
     @property
     def ranks(self) -> int:
@@ -90,6 +100,7 @@ class Case:
             "--latency", self.latency, "--seed", str(self.seed), "--collective-timeout", "30",
         ]  # fmt: skip
         args += ["--pp-async-batch-depth", str(self.depth)] if self.depth else []
+        args += ["--sync-impl", self.plugin] if self.plugin else []
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
@@ -137,8 +148,12 @@ def draw_case(seed: int, index: int, max_ranks: int) -> Case:
         fault=fault,
         pause=pause,
         depth=0,
+        plugin="",
+        interrupt="",
     )
-    case.depth = int(rng.integers(0, 3)) if pp > 1 else 0  # drawn last: the earlier fields are as they were
+    case.depth = int(rng.integers(0, 3)) if pp > 1 else 0  # drawn late: the earlier fields are as they were
+    case.plugin = str(rng.choice(PLUGINS)) if rng.random() < 0.25 else ""
+    case.interrupt = f"{rng.uniform(0.2, 2):.1f}" if rng.random() < 0.125 else ""
     return case
 
 
@@ -159,31 +174,6 @@ def _interrupted(signum, frame) -> None:
     raise Interrupted(signum)
 
 
-def rank_pids(launcher: int, ranks: int) -> list[int]:
-    """The rank processes of a launcher, in rank order (forked in order by its fork server; one rank runs in the
-    launcher)."""
-    return [launcher] if ranks == 1 else forked_ranks(launcher)
-
-
-def _pause(proc: subprocess.Popen, case: Case, done: threading.Event) -> str:
-    """Stop rank R of the running case for D s, T s after its ranks have started (`Case.pause`); what
-    happened, in words."""
-    rank, _, timing = case.pause.partition("@")
-    after, _, length = timing.partition("+")
-    while len(pids := rank_pids(proc.pid, case.ranks)) < case.ranks:
-        if done.wait(0.1):
-            return "ended before its ranks were found"
-    if done.wait(float(after)):
-        return "ended before the pause"
-    try:
-        os.kill(pids[int(rank)], signal.SIGSTOP)
-        time.sleep(float(length))
-        os.kill(pids[int(rank)], signal.SIGCONT)
-    except ProcessLookupError:
-        return "the rank ended during the pause"
-    return "paused"
-
-
 def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
     """One run in its own process group; killed as a whole past `limit_s`."""
     run_dir = out_dir / f"case{case.case:04d}_{mode}"
@@ -193,8 +183,9 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         LIVE.add(proc)
         done = threading.Event()
-        with ThreadPoolExecutor(1) as pauser:
-            pausing = pauser.submit(_pause, proc, case, done) if case.pause else None
+        with ThreadPoolExecutor(2) as signaller:
+            pausing = signaller.submit(pause, proc, case, done) if case.pause else None
+            interrupting = signaller.submit(interrupt, proc, case, done) if case.interrupt else None
             try:
                 proc.wait(timeout=limit_s)
                 hung = False
@@ -205,6 +196,7 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
             done.set()
             LIVE.discard(proc)
             paused = pausing.result() if pausing else ""
+            interrupted = interrupting.result() if interrupting else ""
     row = {**asdict(case), "ranks": case.ranks, "mode": mode, "elapsed_s": round(time.monotonic() - started, 1)}
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() and not hung else None
@@ -218,6 +210,7 @@ def run_case(case: Case, mode: str, out_dir: Path, limit_s: float) -> dict:
         first_divergence=f"step {divergence['step']} {divergence['quantity']}" if divergence else "",
         fault_fired=any(f["fired"] for f in (summary or {}).get("faults", []) if f["asked"].startswith("--fault")),
         paused=paused,
+        interrupted=interrupted,
         chunks=(summary or {}).get("scheduling", {}).get("chunked_prefills", 0),
         retractions=(summary or {}).get("scheduling", {}).get("retractions", 0),
         error=(summary or {}).get("error") or ("" if summary or hung else f"no summary (exit {proc.returncode})"),
@@ -269,7 +262,7 @@ def cmd_soak(args: argparse.Namespace) -> int:
     results.mkdir(parents=True, exist_ok=True)
     csv_path = results / f"soak_seed{args.seed}_ranks{args.max_ranks}.csv"
     columns = [f.name for f in fields(Case)] + ["ranks", "mode", "elapsed_s", *OUTCOMES]
-    columns += ["first_divergence", "fault_fired", "paused", "chunks", "retractions", "error"]
+    columns += ["first_divergence", "fault_fired", "paused", "interrupted", "chunks", "retractions", "error"]
     rows = read_rows(csv_path, columns)
     have = {(int(r["case"]), r["mode"]) for r in rows}
     cases = [draw_case(args.seed, i, args.max_ranks) for i in range(args.first, args.first + args.runs)]

@@ -47,8 +47,9 @@ def summarize_rows(rows: list[dict], modes: list[str]) -> str:
     and world size, runs and failures."""
     lines = [
         "| mode | runs | divergences | crashes | hangs | output mismatches | divergence rate | runs with chunks "
-        "| runs with retractions | allocation faults (fired) | page damage (fired) | rank pauses |",
-        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "| runs with retractions | allocation faults (fired) | page damage (fired) | rank pauses | plug-ins "
+        "| interrupts |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for mode in modes:
         mine = [r for r in rows if r["mode"] == mode]
@@ -60,9 +61,11 @@ def summarize_rows(rows: list[dict], modes: list[str]) -> str:
             drawn = [r for r in mine if r["fault"].startswith(kind)]
             faults.append(f"{len(drawn)} ({sum(is_true(r['fault_fired']) for r in drawn)})")
         pauses = sum(r["paused"] == "paused" for r in mine)
+        plugins = sum(bool(r.get("plugin")) for r in mine)  # a soak's older CSV has neither column
+        interrupts = sum(r.get("interrupted") == "interrupted" for r in mine)
         lines.append(
             f"| {mode} | {len(mine)} | {' | '.join(map(str, counts))} | {rate:.1%} | "
-            f"{' | '.join(map(str, pressure))} | {' | '.join(faults)} | {pauses} |"
+            f"{' | '.join(map(str, pressure))} | {' | '.join(faults)} | {pauses} | {plugins} | {interrupts} |"
         )
     lines += ["", "| mode | ranks | runs | failures |", "|---|--:|--:|--:|"]
     for mode in modes:
