@@ -182,9 +182,11 @@ def run_rank(
     except Exception as exc:  # a crash is a result: it goes in the summary
         record_crash(result, exc, p.collective_timeout_s, out_dir)
     guard.finish()
-    _write(cfg, out_dir, result, built, closing=True)
-    if result["completed"] or p.world_size == 1:
-        dist.destroy_process_group()  # else peers may be blocked on us: the caller leaves at once (os._exit)
+    try:
+        _write(cfg, out_dir, result, built, closing=True)
+    finally:  # a result that cannot be written (a full disk) still leaves this process out of the world
+        if result["completed"] or p.world_size == 1:
+            dist.destroy_process_group()  # else peers may be blocked on us: the caller leaves at once (os._exit)
     return result
 
 
