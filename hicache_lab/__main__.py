@@ -296,4 +296,7 @@ def _out_of_files(exc: OSError) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    for late in (signal.SIGINT, signal.SIGTERM):  # the command has ended: one more Ctrl-C changes nothing
+        signal.signal(late, signal.SIG_IGN)
+    sys.exit(status)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ....mem_cache.mooncake_store import mooncake_missing
 from ...presets import WORLD
-from .common import SMALL, USER_CODE, WORLD2, children, running, signalled, user_code
+from .common import SMALL, USER_CODE, WORLD2, children, no_traceback, ranks, running, signalled, user_code
 from .judge import LINGER_S, Hostile, Outcome, processes, run_cli
 
 
@@ -39,6 +39,20 @@ def _one_rank_interrupted(scratch: Path) -> Outcome:
 
     long = ("--max-total-tokens", "4096", "--num-clients", "8", "--num-rounds", "40")  # 17 s, unless interrupted
     return run_cli(scratch, "run", *WORLD.split(), *long, "--out", "out", during=during)
+
+
+def _ctrl_c_three_times(scratch: Path) -> Outcome:
+    """Three SIGINTs to the launcher's process group 0.3 s apart, once rank 1 runs: the run still ends with 130,
+    its summary, and no traceback from any process."""
+
+    def during(proc: subprocess.Popen) -> None:
+        if ranks(proc):
+            running(scratch, proc)
+            for _ in range(3):
+                os.killpg(proc.pid, signal.SIGINT)
+                time.sleep(0.3)
+
+    return no_traceback(run_cli(scratch, *WORLD2, "--out", "out", during=during))
 
 
 def _soak_stopped(scratch: Path) -> Outcome:
@@ -156,6 +170,13 @@ CASES = [
         "ended 1 process(es) the run left behind",
         owns=USER_CODE,
         exact=True,
+    ),
+    Hostile(
+        5,
+        "Ctrl-C three times, 0.3 s apart, mid-run (SIGINT to the whole process group each time)",
+        _ctrl_c_three_times,
+        128 + signal.SIGINT,
+        "interrupted by SIGINT",
     ),
     Hostile(
         5,

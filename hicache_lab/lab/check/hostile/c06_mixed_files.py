@@ -12,7 +12,7 @@ import signal
 import subprocess
 from pathlib import Path
 
-from .common import SMALL, STORE, WORLD2, R, ranks, run_torchrun
+from .common import SMALL, STORE, WORLD2, R, no_traceback, ranks, run_torchrun
 from .judge import Hostile, Outcome, run_cli
 
 
@@ -104,17 +104,11 @@ def _limited(kib: int):
     return lambda proc: resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (kib << 10, kib << 10))
 
 
-def _no_traceback(outcome: Outcome) -> Outcome:
-    if "Traceback" in outcome.output:
-        return Outcome(None, f"{outcome.output}\na traceback was printed", outcome.leftover)
-    return outcome
-
-
 def _file_size_limit(scratch: Path) -> Outcome:
     """One rank under `ulimit -f 2`: its trace stops at 2 KiB (a crash naming it), and a file written whole (its
     result, or the summary, which is larger) fails as it is closed. The last line names that file, with what to
     do, and no traceback is printed."""
-    outcome = _no_traceback(run_cli(scratch, *SMALL, "--out", "out", during=_limited(2)))
+    outcome = no_traceback(run_cli(scratch, *SMALL, "--out", "out", during=_limited(2)))
     if not outcome.output.rstrip().endswith("ulimit -f), or give --out a writable directory with room"):
         return Outcome(None, f"{outcome.output}\nthe last line does not name a file it could not write")
     return outcome
@@ -123,7 +117,7 @@ def _file_size_limit(scratch: Path) -> Outcome:
 def _edition_past_the_limit(scratch: Path) -> Outcome:
     """`student-edition out` under `ulimit -f 64` (a notebook outgrows it): one line, what it wrote removed, and
     the same command without the limit then works."""
-    outcome = _no_traceback(run_cli(scratch, "student-edition", "out", during=_limited(64)))
+    outcome = no_traceback(run_cli(scratch, "student-edition", "out", during=_limited(64)))
     if (scratch / "out").exists():
         return Outcome(None, f"{outcome.output}\nout/ was left behind", outcome.leftover)
     if (again := run_cli(scratch, "student-edition", "out")).code != 0:

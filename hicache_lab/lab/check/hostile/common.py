@@ -79,6 +79,13 @@ def after_filling(change: Callable[[list[Path]], None], flags: tuple[str, ...] =
     return run
 
 
+def no_traceback(outcome: Outcome) -> Outcome:
+    """`outcome`, failed (no exit code) where its output holds a Python traceback: the lab never prints one."""
+    if "Traceback" in outcome.output:
+        return Outcome(None, f"{outcome.output}\na traceback was printed", outcome.leftover)
+    return outcome
+
+
 def cli(*args: str) -> Callable[[Path], Outcome]:
     """A case that runs `python -m hicache_lab ARGS --out out`."""
     return lambda scratch: run_cli(scratch, *args, "--out", "out")
