@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import RunConfig
+from ...entrypoints.ending import Interrupted
 from ...entrypoints.launch import run
 from ...errors import ConfigError
 from ...parallel_config import SYNC_IMPL_SLOTS
@@ -178,28 +179,14 @@ def check(
     try:
         for i, world in enumerate(worlds):
             out = Path(out_dir) / f"world{i}"
-            summary = run(exercise_config(world, specs, device, quick), out, False, BINDERS)
-            lines = audit_lines(out)
-            found = first_finding(lines)
-            if found is not None:
-                kind = found[1]["kind"]
-                why = f"({kind}) {finding_words(found[1], summary, lines)}"
-                if kind in LOCKSTEP and summary["completed"]:
-                    why += f"; {lockstep_cost(world, out, summary, device, quick)}"
-                verdict.ok, verdict.mistake = False, kind
-            elif (kind := crash_kind(summary)) is not None:
-                rank, error = summary["failing_rank"], summary["error"].splitlines()[0]
-                why = f"({kind}) {mistake_text(kind, f'rank {rank} crashed in your function: {error}')}"
-                verdict.ok, verdict.mistake = False, kind
-            elif (unjudged := unjudged_words(summary)) is not None:
-                verdict.ok, verdict.judged, verdict.interrupted = False, False, summary["interrupted"]
-                verdict.lines.append(f"{world.name}: could not judge: {unjudged}")
+            try:
+                summary = run(exercise_config(world, specs, device, quick), out, False, BINDERS)
+            except (Interrupted, KeyboardInterrupt) as exc:  # between worlds, or as one starts
+                name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+                verdict.ok, verdict.judged, verdict.interrupted = False, False, name
+                verdict.lines.append(f"{world.name}: could not judge: interrupted by {name} as the world started")
                 break
-            else:
-                why = explain_run(summary, lines)
-                verdict.ok = why is None
-            verdict.lines.append(f"{world.name}: {'ok' if verdict.ok else 'WRONG ' + why}")
-            verdict.lines += left_running(summary)
+            judge_world(verdict, world, out, summary, device, quick)
             if not verdict.ok:
                 break
         else:
@@ -207,3 +194,29 @@ def check(
     finally:
         _running = False
     return verdict
+
+
+def judge_world(verdict: Verdict, world: World, out: Path, summary: dict, device: str, quick: bool) -> None:
+    """What one world's run shows, into `verdict`: the audit's first finding, a crash inside your function, no
+    evidence at all (could not judge), or what the run did (`explain_run`: nothing wrong, or what went wrong)."""
+    lines = audit_lines(out)
+    found = first_finding(lines)
+    if found is not None:
+        kind = found[1]["kind"]
+        why = f"({kind}) {finding_words(found[1], summary, lines)}"
+        if kind in LOCKSTEP and summary["completed"]:
+            why += f"; {lockstep_cost(world, out, summary, device, quick)}"
+        verdict.ok, verdict.mistake = False, kind
+    elif (kind := crash_kind(summary)) is not None:
+        rank, error = summary["failing_rank"], summary["error"].splitlines()[0]
+        why = f"({kind}) {mistake_text(kind, f'rank {rank} crashed in your function: {error}')}"
+        verdict.ok, verdict.mistake = False, kind
+    elif (unjudged := unjudged_words(summary)) is not None:
+        verdict.ok, verdict.judged, verdict.interrupted = False, False, summary["interrupted"]
+        verdict.lines.append(f"{world.name}: could not judge: {unjudged}")
+        return
+    else:
+        why = explain_run(summary, lines)
+        verdict.ok = why is None
+    verdict.lines.append(f"{world.name}: {'ok' if verdict.ok else 'WRONG ' + why}")
+    verdict.lines += left_running(summary)
