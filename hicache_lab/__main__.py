@@ -220,13 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 LAUNCH_WORLDS = {  # the commands that start worlds of their own: never one rank of torchrun's
-    cmd_demo: "demo",
-    cmd_figures: "figures",
-    cmd_soak: "soak",
-    cmd_zoo: "zoo",
-    cmd_compare: "compare",
+    cmd_demo: "demo", cmd_figures: "figures", cmd_soak: "soak", cmd_zoo: "zoo", cmd_compare: "compare",
     cmd_exercise: "exercise",
-}
+}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
