@@ -218,5 +218,8 @@ def judge_world(verdict: Verdict, world: World, out: Path, summary: dict, device
     else:
         why = explain_run(summary, lines)
         verdict.ok = why is None
+    if not verdict.ok and summary["interrupted"]:  # it showed the mistake before the signal came
+        why += f" (then the world was interrupted by {summary['interrupted']})"
+        verdict.interrupted = summary["interrupted"]
     verdict.lines.append(f"{world.name}: {'ok' if verdict.ok else 'WRONG ' + why}")
     verdict.lines += left_running(summary)
