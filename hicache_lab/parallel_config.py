@@ -29,7 +29,7 @@ PROPOSALS = {
     "alloc_agreement": "#31425, open: every rank allocates a copy's slots or none (reserve/commit)",
     "prefetch_vote": "#38273, closed without merging: a rank without a request's prefetch votes anyway",
 }
-# Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10-0.5.13, has none of them).
+# Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10 with DP attention, has none of them).
 LEGACY_FIXES: tuple[str, ...] = ()
 FAULTS = (
     "kill-rank",
