@@ -199,6 +199,16 @@ def blame(results: list[dict], missing: list[int], end: WorldEnd, elapsed_s: flo
     return None, None
 
 
+def whole_steps(rows: list[dict], cut: set[int]) -> list[dict]:
+    """The trace less the last step of each rank a signal cut short (`cut`): that step is traced as the signal
+    left it, half done, and would show a divergence no rank took."""
+    last = {}
+    for row in rows:
+        if row["rank"] in cut:
+            last[row["rank"]] = max(last.get(row["rank"], -1), row["step"])
+    return [row for row in rows if last.get(row["rank"]) != row["step"]]
+
+
 def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) -> dict:
     """Merge this run's rank results and traces into `summary.json`, with the cause of a failure (`blame`)."""
     world = cfg.parallel.world_size
@@ -207,7 +217,8 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) ->
     error, failing = blame(results, missing, end, elapsed_s)
     first = next((r for r in results if r["rank"] == failing), None)
     completed = error is None and not missing
-    divergence = first_divergence([row for row in read_trace(out_dir) if row["rank"] < world])
+    cut = {r["rank"] for r in results if r.get("interrupted")} | (set(missing) if end.interrupted else set())
+    divergence = first_divergence(whole_steps([row for row in read_trace(out_dir) if row["rank"] < world], cut))
     oracle = _merge_oracles(results)
     summary = {
         "config": dataclasses.asdict(cfg),

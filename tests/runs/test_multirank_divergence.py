@@ -9,7 +9,8 @@ import itertools
 import pytest
 
 from hicache_lab.entrypoints.launch import run
-from hicache_lab.managers.step_trace import read_trace
+from hicache_lab.entrypoints.report import whole_steps
+from hicache_lab.managers.step_trace import first_divergence, read_trace
 
 pytestmark = pytest.mark.spawns
 
@@ -126,3 +127,15 @@ def test_released_sync_relays_once_a_step_and_the_allocation_vote_adds_sends(wor
         sent[name] = [row["relay_sent"] for row in read_trace(tmp_path / name) if row["rank"] == 0]
     assert set(sent["released"]) == {1}
     assert len(sent["proposal"]) == len(sent["released"]) and max(sent["proposal"]) > 1
+
+
+def test_the_step_a_signal_cut_short_is_no_divergence():
+    """A rank interrupted mid-step traces that step as the signal left it (half a prefill here): only the steps
+    every rank finished are compared, so an interrupted run of a right protocol never reads as diverged."""
+    whole = {"step": 2, "digest": "a", "acks_write": 0, "acks_load": 0, "extend_tokens": 0, "prefix_tokens": 0}
+    rows = [{**whole, "rank": 0}, {**whole, "rank": 1}, {**whole, "rank": 0, "step": 3}]
+    rows.append({**whole, "rank": 1, "step": 3, "digest": "b", "extend_tokens": 96})  # cut short by SIGINT
+    assert first_divergence(rows)["step"] == 3
+    assert first_divergence(whole_steps(rows, cut={1})) is None
+    later = [*rows, {**whole, "rank": 1, "step": 4}]  # step 3 was whole on rank 1: its divergence stands
+    assert first_divergence(whole_steps(later, cut={1}))["step"] == 3
