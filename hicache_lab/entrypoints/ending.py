@@ -12,7 +12,7 @@
   the launcher is its subreaper (Linux `PR_SET_CHILD_SUBREAPER`), so such a process becomes the launcher's
   child when its own parent ends, and the launcher kills and reaps every child the run left at its end.
 * `process_state`: what a process is doing, from /proc (a rank that never reported: stopped, sleeping, gone);
-  `cpu_seconds`: whether it is still working.
+  `exited`: whether it has ended; `cpu_seconds`: whether it is still working.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class Adopted:
 
 
 def _watch(parent: int, launcher: int) -> None:
-    while os.getppid() == parent and not _exited(launcher):
+    while os.getppid() == parent and not exited(launcher):
         time.sleep(0.5)
     os.kill(os.getpid(), signal.SIGKILL)
 
@@ -107,11 +107,11 @@ def die_with_parent(launcher: int) -> None:
     parent = os.getppid()
     if not _pdeathsig() or parent != launcher:
         threading.Thread(target=_watch, args=(parent, launcher), daemon=True).start()
-    if os.getppid() != parent or _exited(launcher):  # it died before prctl took effect
+    if os.getppid() != parent or exited(launcher):  # it died before prctl took effect
         os._exit(1)
 
 
-def _exited(pid: int) -> bool:
+def exited(pid: int) -> bool:
     """Whether process `pid` has exited (a zombie has: it only waits for its parent to see it)."""
     if Path("/proc").is_dir():
         state = process_state(pid)

@@ -31,7 +31,7 @@ from ..config import RunConfig
 from ..distributed.parallel_state import RankLayout
 from ..errors import ConfigError
 from .binders import Binder, check_all
-from .ending import Adopted, Interrupted, SignalGuard, die_with_parent, process_state
+from .ending import Adopted, Interrupted, SignalGuard, die_with_parent, exited, process_state
 from .mooncake_master import start_mooncake_master, stop_master
 from .outdir import Claim, OutputError, cannot_write
 from .preflight import idle_flags, preflight
@@ -218,9 +218,8 @@ def _stop(procs: list, end: WorldEnd) -> dict[int, str]:
     stopped = {}
     for rank, proc in enumerate(procs):
         if proc.is_alive():
-            state = process_state(proc.pid)
-            if not state.startswith(("a zombie", "dead")) and state != "gone":
-                stopped[rank] = f"its process was {state} when the launcher stopped it"
+            if not exited(proc.pid):  # a zombie whose exit the fork server has not reported was not stopped
+                stopped[rank] = f"its process was {process_state(proc.pid)} when the launcher stopped it"
             proc.kill()
     for attempt in range(2):
         deadline = time.monotonic() + GRACE_S

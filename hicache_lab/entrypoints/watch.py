@@ -25,7 +25,7 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
-from .ending import process_state
+from .ending import exited, process_state
 from .report import WorldEnd, read_results
 
 BEAT_S = 0.5  # how often a rank's heartbeat writes
@@ -48,11 +48,6 @@ def start_beating(beats, rank: int) -> None:
             time.sleep(BEAT_S)
 
     threading.Thread(target=beat, name="heartbeat", daemon=True).start()
-
-
-def _ended(pid: int | None) -> bool:
-    state = process_state(pid) if pid is not None else "gone"
-    return state == "gone" or state.startswith(("a zombie", "dead"))
 
 
 def fork_server_pid() -> int | None:
@@ -88,8 +83,8 @@ class Watch:
         for rank, proc in enumerate(self.procs):
             code = proc.exitcode
             if code is not None:
-                self._ended(rank, code, end)
-            elif _ended(proc.pid):
+                self._note_exit(rank, code, end)
+            elif exited(proc.pid):
                 zombies = running = True
             else:
                 running = True
@@ -99,7 +94,7 @@ class Watch:
         self._check_server(zombies, now, end)
         return running
 
-    def _ended(self, rank: int, code: int, end: WorldEnd) -> None:
+    def _note_exit(self, rank: int, code: int, end: WorldEnd) -> None:
         if code == 0 and rank not in self.reported:
             reported = {r["rank"] for r in read_results(self.out_dir, WorldEnd(self.run_id), len(self.procs))}
             self.reported |= reported
@@ -108,10 +103,8 @@ class Watch:
                     rank,
                     "exited with code 0 (code the rank ran ended its process: os._exit, or an exit in a thread)",
                 )
-        elif code == 255 and _ended(fork_server_pid()):
-            end.failed.setdefault(
-                rank, f"ended with the fork server that started it (pid {fork_server_pid()}), which died"
-            )
+        elif code == 255 and ((server := fork_server_pid()) is None or exited(server)):
+            end.failed.setdefault(rank, f"ended with the fork server that started it (pid {server}), which died")
         elif code != 0:
             end.failed.setdefault(rank, code)
 
