@@ -1,5 +1,5 @@
-"""Run a world of ranks: in this process (one rank), as spawned processes on 127.0.0.1, or as one rank
-under `torchrun`.
+"""Run a world of ranks: in this process (one rank running only the lab's code), as spawned processes on
+127.0.0.1 that the launcher watches (watch.py), or as one rank under `torchrun`.
 
 Every rank writes `rank{R}.json` (its result, with the run's id) and `trace_rank{R}.jsonl` (its steps) into the
 output directory, which the run owns while it runs (outdir.py); `summarize` merges this run's results into
