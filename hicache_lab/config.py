@@ -6,6 +6,7 @@ start instead of corrupting a pool later.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from .errors import require, require_choice, require_numbers, require_seed
@@ -16,7 +17,7 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
-CACHE_IMPLS = ("lab", "sglang")  # `--cache-impl`: whose cache every rank runs
+CACHE_IMPLS = ("lab", "sglang")  # `--cache-impl`: whose cache every rank runs; also sglang==X, an SGLang release
 # Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
 STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
@@ -229,10 +230,13 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     check_outputs: bool = False
     record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (lab/sglang/recording.py) for `conform`
-    cache_impl: str = "lab"  # every rank's cache: the lab's, or sglang 0.5.23's own (lab/sglang/rank_cache.py)
+    cache_impl: str = "lab"  # every rank's cache: the lab's, sglang 0.5.23's own, or release X's (sglang==X)
 
     def __post_init__(self) -> None:
-        require_choice(self.cache_impl, CACHE_IMPLS, "--cache-impl")
+        require(
+            self.cache_impl in CACHE_IMPLS or bool(re.fullmatch(r"sglang==\d+\.\d+\.\d+", self.cache_impl)),
+            f"unknown --cache-impl {self.cache_impl!r}: use lab, sglang, or sglang==X for an SGLang release",
+        )
         longest, w = self.workload.longest_sequence(), self.workload
         if w.trace_file:  # name the longest line, before a rank draws its tokens
             number, tokens = max(w._trace_lengths(), key=lambda line: line[1])

@@ -11,7 +11,6 @@ import math
 import operator
 
 from ..config import (
-    CACHE_IMPLS,
     DTYPES,
     HOST_LAYOUTS,
     LATENCY_MODELS,
@@ -204,9 +203,10 @@ SWITCHES = [
         str,
         {
             "default": "lab",
-            "choices": CACHE_IMPLS,
-            "help": "every rank's cache: the lab's, or sglang 0.5.23's own, with its own cross-rank agreement "
-            "(needs sglang: make installs it; --sync legacy reverts its PP and CP fixes)",
+            "metavar": "{lab,sglang,sglang==X}",
+            "help": "every rank's cache: the lab's; sglang 0.5.23's own, with its own cross-rank agreement (make "
+            "installs it; --sync legacy reverts its PP and CP fixes); or release X's own (sglang==0.5.12: `make "
+            "releases` installs them; `releases` lists them)",
         },
     ),
     ("--skip-load-wait", "cache.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),

@@ -18,8 +18,9 @@ from ...entrypoints.binders import Binder
 from ...errors import ConfigError
 from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import make_copy_engine
-from . import reverts
+from . import releases, reverts
 from .cpu import prepare_imports
+from .hiradix import HiRadixRankCache
 from .rank_cache import SGLangRankCache
 from .world import sglang_world
 
@@ -58,6 +59,29 @@ def refusals(cfg: RunConfig) -> list[str]:
         ),
     )
     return [reason for ok, reason in checks if not ok]
+
+
+def release_refusals(cfg: RunConfig, version: str) -> list[str]:
+    """Why release `version`'s HiRadixCache cannot run `cfg` (0.5.23's refusals, and what the adapter of its
+    generation does not bridge): each a sentence that says what to change."""
+    c, p = cfg.cache, cfg.parallel
+    checks = (
+        (
+            p.sync == "fixed" and not p.enable_fixes and not p.disable_fixes,
+            f"--sync / --enable-fix / --disable-fix switch the lab's agreement: sglang {version} agrees as its own "
+            "code does; drop them",
+        ),
+        (
+            c.storage_backend == "none",
+            f"--hicache-storage-backend: sglang {version}'s storage flow (prefetch revokes, host slots held from "
+            f"issue) is not bridged by the lab's adapter; run L3 worlds with --cache-impl sglang",
+        ),
+        (
+            c.hicache_size_gb == 0,
+            f"--hicache-size: sglang {version} sizes its host pool per stage from bytes; give --hicache-ratio",
+        ),
+    )
+    return [reason for ok, reason in checks if not ok] + [r for r in refusals(cfg) if not r.startswith("--sync off")]
 
 
 SPECIAL_FILES = (
@@ -110,28 +134,36 @@ class SGLangCacheBinder(Binder):
     fields = ("cache_impl",)
 
     def check(self, cfg: RunConfig) -> None:
-        if cfg.cache_impl != "sglang":
+        if cfg.cache_impl == "lab":
             return
         try:
-            prepare_imports()
-        except RuntimeError as exc:
-            raise ConfigError(f"--cache-impl sglang: {exc}") from None
-        reasons = refusals(cfg)
+            version = releases.parse(cfg.cache_impl)
+            if version == releases.REFERENCE:
+                prepare_imports()
+            elif reason := releases.missing(version):
+                raise RuntimeError(reason)
+        except (ValueError, RuntimeError) as exc:
+            raise ConfigError(f"--cache-impl {cfg.cache_impl}: {exc}") from None
+        reasons = refusals(cfg) if version == releases.REFERENCE else release_refusals(cfg, version)
         if reasons:
-            raise ConfigError("--cache-impl sglang cannot run this: " + "; ".join(reasons))
+            raise ConfigError(f"--cache-impl {cfg.cache_impl} cannot run this: " + "; ".join(reasons))
         refuse_special_files(cfg)
 
     def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path):
-        if cfg.cache_impl != "sglang":
+        if cfg.cache_impl == "lab":
             return None
-        c, layout = cfg.cache, sync.groups.layout
+        c, layout, version = cfg.cache, sync.groups.layout, releases.parse(cfg.cache_impl)
         world = sglang_world(cfg, sync.groups, storage_dir)
         clock = make_copy_engine(
             c.latency, kv.device, c.max_copy_delay_steps, c.injected_delay_ms, seed=cfg.workload.seed, rank=layout.rank
         )
-        undone = reverts.reverts_for(cfg.parallel.fixes)
         # the lab's count, which SGLang's own sizing must reach (world.host_pool_args): checked as it is built
         host_tokens = sync.agree_host_capacity(c.host_tokens(kv.bytes_per_token)) if c.enable_hierarchical_cache else 0
+        if version != releases.REFERENCE:
+            cache = HiRadixRankCache.for_release(version)(c, host_tokens, clock, kv, world)
+            self.host_tokens, self.replaced = cache.host_tokens, []
+            return cache.pool, cache
+        undone = reverts.reverts_for(cfg.parallel.fixes)
         with reverts.applied(undone, lambda: {"UnifiedRadixCache": cache.cache, "HiCacheController": cache.controller}):
             cache = SGLangRankCache(c, host_tokens, clock, kv, world)
         self.host_tokens = cache.host_tokens
@@ -146,17 +178,17 @@ class SGLangCacheBinder(Binder):
         return cfg.cache_impl != "lab"  # SGLang's storage threads and collectives: a rank of its own, watched
 
     def bind(self, cfg: RunConfig, parts, out_dir: Path):
-        if cfg.cache_impl != "sglang":
+        if cfg.cache_impl == "lab":
             return None
         observe_relay(parts.sync, parts.cache.cache)
-        replaced, host_tokens = self.replaced, self.host_tokens
-        return lambda: {"cache_impl": "sglang", "sglang_reverts": replaced, "sglang_host_tokens": host_tokens}
+        impl, replaced, host_tokens = cfg.cache_impl, self.replaced, self.host_tokens
+        return lambda: {"cache_impl": impl, "sglang_reverts": replaced, "sglang_host_tokens": host_tokens}
 
 
 def observe_relay(sync: CacheSync, sglang) -> None:
     """The step trace counts relay sends in the lab's `CacheSync.work_list` (StageLoop): point it at SGLang's
-    own, the same list (SGLang drains it in place). Observation only: nothing is decided here."""
-    sync.work_list = sglang.work_list
+    own, the same list (SGLang drains it in place; releases before the relay have none). Observation only."""
+    sync.work_list = getattr(sglang, "work_list", [])
 
 
 SGLANG_CACHE = SGLangCacheBinder()

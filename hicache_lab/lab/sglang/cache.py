@@ -36,7 +36,7 @@ from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
 from .world import host_pool_args
 
-_NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
+NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
 
 
 class SGLangMatch(NamedTuple):
@@ -94,28 +94,22 @@ class SGLangCache:
     (world.py: the rank's process groups, its stage, its storage backend); without one it is a world of one."""
 
     def __init__(self, cfg: CacheConfig, host_tokens: int, clock, shape: KVShape | None = None, world=None):
-        sg = self.sg = sglang_modules()
+        sg = self.sg = self.modules()
         self.cfg, self.clock = cfg, clock
         shape = shape or KVShape(num_layers=2, num_heads=1, head_dim=2)
         ps, size = cfg.page_size, cfg.max_total_tokens
-        hierarchical = cfg.enable_hierarchical_cache
         server_args = sg.ServerArgs(
             model_path="dummy",  # any other path makes SGLang's resolution read that model's config
             device="cpu",
             page_size=ps,
-            enable_hierarchical_cache=hierarchical,
+            enable_hierarchical_cache=cfg.enable_hierarchical_cache,
             hicache_io_backend="direct",
             hicache_mem_layout=cfg.host_layout,
             hicache_write_policy=cfg.write_policy,
             **host_pool_args(cfg, host_tokens, shape, world),
             **(world.server_args() if world is not None else {}),
         )
-        # SGLang's own resolution of the host tier's flags (with the direct io backend, page_first becomes
-        # page_first_direct); the rest of its resolution stops at a dummy model
-        sg.run_hook(sg.handle_hicache, server_args)
-        sg.publish(server_args)
-        if world is not None:
-            world.publish()
+        self.resolve(server_args, world)
         self.kv = sg.MHATokenToKVPool(
             size,
             ps,
@@ -135,20 +129,41 @@ class SGLangCache:
             req_to_token_pool=sg.ReqToTokenPool(8, 8, "cpu", False),
             token_to_kv_pool_allocator=self.allocator,
             page_size=ps,
-            tree_components=(sg.FULL,),
-            **(world.cache_params() if world is not None else {}),
+            **self.placed(world),
         )
-        self.cache = sg.UnifiedRadixCache(params)
-        self.controller, self.host_tokens = None, 0
-        if hierarchical:
-            self.cache.init_hicache(server_args, params)
-            self.controller = self.cache.cache_controller
+        self.cache = self.build(params, server_args)
+        self.controller, self.host_tokens = getattr(self.cache, "cache_controller", None), 0
+        if self.controller is not None:
             self._time_copies_by(clock)
             host = self.controller.mem_pool_host.available_size()
             if host != host_tokens:
                 raise RuntimeError(f"SGLang's host pool holds {host} tokens, the lab's {host_tokens}")
             self.host_tokens = host
         self.locks: dict[int, list] = {}  # node id -> receipts of the locks the lab's caller holds on it
+
+    # -- what differs between SGLang's releases (hiradix.py: the HiRadixCache ones) -------------------------
+
+    def modules(self):
+        return sglang_modules()
+
+    def resolve(self, server_args, world) -> None:
+        """SGLang's own resolution of the host tier's flags (with the direct io backend, page_first becomes
+        page_first_direct; the rest of its resolution stops at a dummy model), then what its launcher records
+        for the process."""
+        self.sg.run_hook(self.sg.handle_hicache, server_args)
+        self.sg.publish(server_args)
+        if world is not None:
+            world.publish()
+
+    def placed(self, world) -> dict:
+        """CacheInitParams' fields of the rank's place, and the tree's components (full attention only)."""
+        return {"tree_components": (self.sg.FULL,), **(world.cache_params() if world is not None else {})}
+
+    def build(self, params, server_args):
+        cache = self.sg.UnifiedRadixCache(params)
+        if server_args.enable_hierarchical_cache:
+            cache.init_hicache(server_args, params)
+        return cache
 
     def _time_copies_by(self, clock) -> None:
         """Every copy SGLang's transfer engine issues gets its finish event from `clock` (per stream)."""
@@ -158,7 +173,7 @@ class SGLangCache:
 
             def timed(*args, _issue=issue, _stream=stream, **kwargs):
                 completion = _issue(*args, **kwargs)
-                return completion._replace(finish_event=clock.submit(_stream, _NO_LAYERS))
+                return completion._replace(finish_event=clock.submit(_stream, NO_LAYERS))
 
             setattr(engine, method, timed)
 

@@ -79,13 +79,15 @@ def sglang_version() -> str | None:
         return None
 
 
-def prepare_imports() -> None:
+def prepare_imports(version: str = SGLANG_VERSION) -> None:
     """Let sglang's cache modules import here: torchvision placeholders where no real torchvision loads.
-    Raises RuntimeError, saying what to install, where sglang is missing or not the version the lab reads."""
-    version = sglang_version()
-    if version != SGLANG_VERSION:
-        found = f"sglang {version} is installed" if version else "sglang is not installed"
-        raise RuntimeError(f"{found}; the lab reads sglang {SGLANG_VERSION}: make installs it")
+    Raises RuntimeError, saying what to install, where the sglang this process imports is missing or not
+    `version` (an older release comes first on sys.path: releases.activate)."""
+    found = sglang_version()
+    if found != version:
+        installed = f"sglang {found} is installed" if found else "sglang is not installed"
+        how = "make installs it" if version == SGLANG_VERSION else f"make releases RELEASES={version} installs it"
+        raise RuntimeError(f"{installed}; the lab reads sglang {version}: {how}")
     if any(isinstance(f, _TorchvisionPlaceholders) for f in sys.meta_path):
         return
     try:
@@ -103,6 +105,7 @@ def quiet_imports():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Only CUDA", category=UserWarning)
         warnings.filterwarnings("ignore", message="IProgress not found")
+        warnings.filterwarnings("ignore", message="Triton is not supported")  # older releases' fla kernels
         yield
 
 
@@ -145,6 +148,14 @@ def _pages_to_one_layer(src_ptrs, dst_ptrs, src_indices, dst_indices, layer_id, 
         dst[dst_indices] = src[pages, layer_id, offsets]
 
 
+# the direct io backend's kernels by sgl_kernel's names (older releases import them: shims.py)
+DIRECT_COPIES = {
+    "transfer_kv_direct": _transfer_kv_direct,
+    "transfer_kv_all_layer_direct_lf_pf": _all_layers_to_pages,
+    "transfer_kv_per_layer_direct_pf_lf": _pages_to_one_layer,
+}
+
+
 def _no_stream_to_wait_for(self) -> None:
     """`torch.cpu.Stream.synchronize`: missing from torch's CPU stream; SGLang's transfer engine calls it on its
     error path, where its absence would hide the real exception. CPU copies are synchronous: nothing to wait for."""
@@ -172,8 +183,7 @@ def install_cpu_replacements() -> None:
         raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang/cpu.py follows {SGLANG_VERSION}")
     common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
     mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = _unpinned_dummy_page
-    mha.transfer_kv_direct = _transfer_kv_direct  # module globals only where CUDA imported them
-    mha.transfer_kv_all_layer_direct_lf_pf = _all_layers_to_pages
-    mha.transfer_kv_per_layer_direct_pf_lf = _pages_to_one_layer
+    for name, copy in DIRECT_COPIES.items():  # module globals only where CUDA imported them
+        setattr(mha, name, copy)
     if not hasattr(torch.cpu.Stream, "synchronize"):
         torch.cpu.Stream.synchronize = _no_stream_to_wait_for

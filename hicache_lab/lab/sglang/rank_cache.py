@@ -112,9 +112,13 @@ class SGLangRankCache(SGLangCache):
 
     # -- observation -----------------------------------------------------------------------------------
 
+    def tree_slots(self) -> torch.Tensor:
+        """Every device slot the tree holds."""
+        return self.cache.tree_core.all_values_flatten()
+
     def digest(self) -> str:
         """The tree as far as its totals and device slots show it: equal on ranks that took the same decisions."""
-        values = self.cache.tree_core.all_values_flatten()
+        values = self.tree_slots()
         state = (
             sorted(values.tolist()),
             self.cache.total_size(),
@@ -136,7 +140,7 @@ class SGLangRankCache(SGLangCache):
     def check_integrity(self, held_by_requests: int = 0) -> None:
         """SGLang's own `sanity_check`, and every device slot free, in the tree, or held by a request."""
         self.cache.sanity_check()
-        in_tree = len(self.cache.tree_core.all_values_flatten())
+        in_tree = len(self.tree_slots())
         accounted = self.device_free() + in_tree + held_by_requests
         size = self.cfg.max_total_tokens
         assert accounted == size, f"SGLang's device slots leaked: {accounted} accounted of {size}"

@@ -1,0 +1,156 @@
+"""SGLang's releases as a rank's cache: `--cache-impl sglang==X` runs release X's own HiCache in every rank.
+
+Each release the lab runs is installed beside the venv, `--no-deps`, in a directory of its own
+(`.releases/sglang-X`, or under `$HICACHE_LAB_RELEASES`: `make releases`), and a rank that runs it puts that
+directory first on `sys.path` before anything imports sglang: a process holds one release (two sglang packages
+cannot share one). sglang 0.5.23, the lab's reference, is the venv's own (`--cache-impl sglang`).
+
+A release is driven through the adapter of its API generation (`hiradix.py`: `HiRadixCache(params,
+server_args)`, 0.5.10 to 0.5.18; cache.py: `UnifiedRadixCache` and `init_hicache`, 0.5.23) after the import
+shims it needs (shims.py): what each bridges is named there. What a release does across ranks, and the PR that
+changed it, is `landed` (from the release's own code: docs/fidelity.md, "SGLang's releases").
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import shims
+from .cpu import prepare_imports, quiet_imports
+
+REFERENCE = "0.5.23"  # `--cache-impl sglang`: the venv's sglang, the release the lab's own code follows
+
+
+@dataclass(frozen=True)
+class Release:
+    version: str
+    generation: str  # "hiradix" (HiRadixCache, hiradix.py) or "unified" (UnifiedRadixCache, cache.py)
+    landed: str  # what changed in this release in how ranks agree, with its PR ("" where nothing did)
+    shims: tuple[Callable[[], None], ...] = ()  # run in this order, after sys.path and before sglang imports
+    pins: tuple[str, ...] = ()  # what `make releases` installs beside it, --no-deps (its pinned imports)
+
+
+RELEASES = {
+    r.version: r
+    for r in (
+        Release(
+            "0.5.10",
+            "hiradix",
+            "before the fixes: write acks MIN over the TP group (CP peers in it unless DP attention), load acks "
+            "not agreed, no PP relay, an early return",
+            (shims.kernel_stand_ins, shims.unpinned_host_memory),
+        ),
+        Release(
+            "0.5.11",
+            "hiradix",
+            "#20460: the attention-CP and attention-TP groups agree (CP peers always)",
+            (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
+        ),
+        Release(
+            "0.5.12",
+            "hiradix",
+            "none across ranks: the last release without the PP relay",
+            (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
+        ),
+        Release(
+            "0.5.13",
+            "hiradix",
+            "#27285: PP rank 0's counts relayed down the pipeline, load acks agreed; relay sends reaped by polling "
+            "(#28902's leak)",
+            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+        ),
+        Release(
+            "0.5.14",
+            "hiradix",
+            "the early return in writing_check removed (every rank calls the collective every step)",
+            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+        ),
+        Release(
+            "0.5.15",
+            "hiradix",
+            "#28916: relay sends drained (waited for) at every check, bounded",
+            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+        ),
+        Release(REFERENCE, "unified", "the reference: UnifiedRadixCache, PP in the prefetch groups (#27010)"),
+    )
+}
+
+
+def parse(impl: str) -> str | None:
+    """The release `--cache-impl` names: None for the lab's cache, "0.5.23" for `sglang`, X for `sglang==X`.
+    Raises ValueError, naming the releases, for a release the lab has no adapter for."""
+    if impl == "lab":
+        return None
+    if impl == "sglang":
+        return REFERENCE
+    version = impl.removeprefix("sglang==")
+    if version == impl or version not in RELEASES:
+        raise ValueError(
+            f"--cache-impl {impl}: choose lab, sglang (sglang {REFERENCE}), or sglang==X for a release the lab "
+            f"runs: {', '.join(RELEASES)}"
+        )
+    return version
+
+
+def releases_root() -> Path:
+    """Where releases are installed: $HICACHE_LAB_RELEASES, else `.releases` beside the lab's source tree."""
+    configured = os.environ.get("HICACHE_LAB_RELEASES")
+    return Path(configured) if configured else Path(__file__).resolve().parents[3] / ".releases"
+
+
+def release_dir(version: str) -> Path:
+    return releases_root() / f"sglang-{version}"
+
+
+def installed_version(version: str) -> str | None:
+    """The sglang version installed in `version`'s directory (the venv's, for the reference), or None."""
+    if version == REFERENCE:
+        paths = None
+    else:
+        paths = [str(release_dir(version))]
+        if not Path(paths[0]).is_dir():
+            return None
+    found = next(iter(importlib.metadata.distributions(name="sglang", path=paths)), None)
+    return found.version if found is not None else None
+
+
+def missing(version: str) -> str | None:
+    """Why release `version` cannot run here, saying how to install it; None where it can."""
+    found = installed_version(version)
+    if found == version:
+        return None
+    where = "the venv" if version == REFERENCE else str(release_dir(version))
+    what = f"sglang {found} is in {where}" if found else f"sglang {version} is not installed in {where}"
+    how = "make installs it" if version == REFERENCE else f"make releases RELEASES={version} installs it"
+    return f"{what}: {how}"
+
+
+def installed() -> list[str]:
+    """The releases that can run here, oldest first."""
+    return [version for version in RELEASES if missing(version) is None]
+
+
+def activate(version: str) -> Release:
+    """Make this process import release `version`'s sglang (its directory first on sys.path), and run its import
+    shims. RuntimeError where it cannot: not installed, or another sglang imported already."""
+    release = RELEASES[version]
+    reason = missing(version)
+    if reason is not None:
+        raise RuntimeError(reason)
+    if version != REFERENCE:
+        directory = str(release_dir(version))
+        loaded = sys.modules.get("sglang")
+        if loaded is not None and not str(loaded.__file__).startswith(directory):
+            raise RuntimeError(f"this process imported sglang from {loaded.__file__}: one release per process")
+        if directory not in sys.path:
+            sys.path.insert(0, directory)
+    prepare_imports(version)
+    with quiet_imports():
+        for shim in release.shims:
+            shim()
+    return release
