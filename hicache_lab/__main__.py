@@ -1,5 +1,5 @@
 """Command line: `python -m hicache_lab run ...` (one configuration), `demo`, and the lab's tools (`figures`,
-`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `exercise`, `student-edition`).
+`soak`, `zoo`, `exhaustive`, `conform`, `compare`, `releases`, `exercise`, `student-edition`).
 
 How it ends, whatever the command: 0 done; 1 failed, saying why in one line (a file that cannot be written, a
 process limit such as `ulimit -n` reached); 2 refused at start (`configuration error: ...`); 128 + the signal
@@ -44,6 +44,7 @@ from .errors import ConfigError
 from .lab.binders import LAB
 from .lab.check.compare_cli import add_compare_flags, cmd_compare
 from .lab.check.exhaustive import add_exhaustive_flags, cmd_exhaustive
+from .lab.check.releases import add_releases_flags, cmd_releases
 from .lab.check.soak import add_soak_flags, cmd_soak
 from .lab.check.zoo import add_zoo_flags, cmd_zoo
 from .lab.figures.against_sglang import compare_with_sglang
@@ -156,6 +157,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summaries["fixed"]["completed"] and not summaries["fixed"]["diverged"] else 1
 
 
+# fmt: off
+LAB_COMMANDS = (  # name, help, flags, handler: the lab's tools (hicache_lab/lab/)
+    ("figures", "regenerate every figure in figures/ from live runs", add_figures_flags, cmd_figures),
+    ("soak", "random small worlds in each sync mode, counted by outcome", add_soak_flags, cmd_soak),
+    ("zoo", "the bug zoo: list the known failures, or reproduce one with its fix", add_zoo_flags, cmd_zoo),
+    ("exhaustive", "every completion timing of a few host writes on 2-3 stages, in each sync mode",
+     add_exhaustive_flags, cmd_exhaustive),
+    ("conform", "replay a run's recorded cache operations through SGLang 0.5.23's cache and compare",
+     add_conform_flags, cmd_conform),
+    ("compare", "run one world with the lab's cache and with SGLang's own (0.5.23 or a release), and compare",
+     add_compare_flags, cmd_compare),
+    ("releases", "SGLang's releases, each as every rank's cache, over a set of worlds: a table and a figure",
+     add_releases_flags, cmd_releases),
+    ("exercise", "check your own pp_sync / writing_check / attn_groups on several worlds (notebook 06)",
+     add_exercise_flags, cmd_exercise),
+    ("student-edition", "copy the repository without teaching/ (the answers) for students", add_edition_flags,
+     cmd_edition),
+)
+# fmt: on
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hicache_lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -176,52 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--figures", help="where its two figures go (default: OUT/figures; `figures` regenerates the committed ones)"
     )
     demo_parser.set_defaults(func=cmd_demo)
-    figures_parser = commands.add_parser("figures", help="regenerate every figure in figures/ from live runs")
-    add_figures_flags(figures_parser)
-    figures_parser.set_defaults(func=cmd_figures)
-    soak_parser = commands.add_parser("soak", help="random small worlds in each sync mode, counted by outcome")
-    add_soak_flags(soak_parser)
-    soak_parser.set_defaults(func=cmd_soak)
-    zoo_parser = commands.add_parser("zoo", help="the bug zoo: list the known failures, or reproduce one with its fix")
-    add_zoo_flags(zoo_parser)
-    zoo_parser.set_defaults(func=cmd_zoo)
-    exhaustive_parser = commands.add_parser(
-        "exhaustive", help="every completion timing of a few host writes on 2-3 stages, in each sync mode"
-    )
-    add_exhaustive_flags(exhaustive_parser)
-    exhaustive_parser.set_defaults(func=cmd_exhaustive)
-    conform_parser = commands.add_parser(
-        "conform",
-        help="replay a run's recorded cache operations through SGLang 0.5.23's cache and compare",
-        description=cmd_conform.__doc__,
-    )
-    add_conform_flags(conform_parser)
-    conform_parser.set_defaults(func=cmd_conform)
-    compare_parser = commands.add_parser(
-        "compare",
-        help="run one world with the lab's cache and with SGLang 0.5.23's own, and compare them rank by rank",
-        description=cmd_compare.__doc__,
-    )
-    add_compare_flags(compare_parser)
-    compare_parser.set_defaults(func=cmd_compare, binders=LAB)
-    exercise_parser = commands.add_parser(
-        "exercise", help="check your own pp_sync / writing_check / attn_groups on several worlds (notebook 06)"
-    )
-    add_exercise_flags(exercise_parser)
-    exercise_parser.set_defaults(func=cmd_exercise)
-    edition_parser = commands.add_parser(
-        "student-edition",
-        help="copy the repository without teaching/ (the answers) for students",
-        description=cmd_edition.__doc__ or "the repository at HEAD, without teaching/, for a graded session",
-    )
-    add_edition_flags(edition_parser)
-    edition_parser.set_defaults(func=cmd_edition)
+    for name, help_text, add_flags, func in LAB_COMMANDS:
+        sub = commands.add_parser(name, help=help_text, description=func.__doc__)
+        add_flags(sub)
+        sub.set_defaults(func=func, binders=LAB)
     return parser
 
 
 LAUNCH_WORLDS = {  # the commands that start worlds of their own: never one rank of torchrun's
     cmd_demo: "demo", cmd_figures: "figures", cmd_soak: "soak", cmd_zoo: "zoo", cmd_compare: "compare",
-    cmd_exercise: "exercise",
+    cmd_exercise: "exercise", cmd_releases: "releases",
 }  # fmt: skip
 
 

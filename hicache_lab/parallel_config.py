@@ -66,6 +66,7 @@ class ParallelConfig:
     # (the Nth page it reads from the file store is damaged on disk first)
     fault: str = ""
     sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync, writing_check, _attn_groups
+    dp_attention: bool = False  # SGLang's cache is given the attention-TP group as its TP group (lab/sglang/world.py)
 
     def __post_init__(self) -> None:
         require_numbers(self)

@@ -192,6 +192,15 @@ SWITCHES = [
     ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
     (
+        "--enable-dp-attention",
+        "parallel.dp_attention",
+        bool,
+        _switch(
+            "with --cache-impl sglang*: SGLang's scheduler gives its cache the attention-TP group as the TP group, "
+            "as under DP attention (which DSA's round-robin CP forces): 0.5.10 then leaves CP peers out"
+        ),
+    ),
+    (
         "--record-cache-ops",
         "record_cache_ops",
         bool,

@@ -171,6 +171,8 @@ IDLE_UNLESS = (  # (fields, whether they can act, why they cannot: what follows 
      "without --device cuda, --enable-hierarchical-cache and --hicache-mem-layout page_first"),
     (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "without --trace-file"),
     (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "without --pp 2 or more"),
+    (("parallel.dp_attention",), lambda c: c.cache_impl != "lab",
+     "with the lab's cache (it chooses the TP group SGLang's scheduler gives SGLang's cache: --cache-impl sglang*)"),
     (("parallel.sync", "parallel.enable_fixes", "parallel.disable_fixes", "parallel.consensus_check"),
      lambda c: c.parallel.world_size > 1, "without two ranks or more (one rank has no one to agree with)"),
     (("parallel.consensus_check",), lambda c: c.parallel.consensus_check <= (steps_bound(c) or math.inf),

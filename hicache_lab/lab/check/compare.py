@@ -68,17 +68,23 @@ class Difference:
 
 def with_impl(cfg: RunConfig, impl: str) -> RunConfig:
     """`cfg` for one side, outputs checked. SGLang's side agrees with its own code: no `--sync-impl`, and no
-    switch of a fix it has no site for (it does what 0.5.23 does, whatever the lab's side turns off)."""
-    if impl == "sglang":
-        p, lab_only = cfg.parallel, set(NO_SGLANG_SITE)
+    switch of a fix it has no site for (0.5.23 does what it does, whatever the lab's side turns off); a release
+    (`sglang==X`) runs its own agreement whatever `--sync` the lab's side has. `--enable-dp-attention` is the SGLang
+    side's (the TP group its scheduler gives its cache); the lab's cache agrees as its `--sync` says."""
+    p = cfg.parallel
+    if impl == "lab":
+        p = dataclasses.replace(p, dp_attention=False)
+    elif impl == "sglang":
+        lab_only = set(NO_SGLANG_SITE)
         p = dataclasses.replace(
             p,
             sync_impls=(),
             enable_fixes=tuple(f for f in p.enable_fixes if f not in lab_only),
             disable_fixes=tuple(f for f in p.disable_fixes if f not in lab_only),
         )
-        cfg = dataclasses.replace(cfg, parallel=p)
-    return dataclasses.replace(cfg, cache_impl=impl, check_outputs=True)
+    else:
+        p = dataclasses.replace(p, sync="fixed", sync_impls=(), enable_fixes=(), disable_fixes=())
+    return dataclasses.replace(cfg, parallel=p, cache_impl=impl, check_outputs=True)
 
 
 def by_step(out: Path) -> dict[tuple[int, int], dict]:
@@ -185,13 +191,16 @@ class Comparison:
         return not self.wrong
 
 
-def compare(cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), verbose: bool = False) -> Comparison:
-    """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared. `binders`: what both runs bind (the lab's:
-    `lab.binders.LAB`, which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate
-    change: mutants.py)."""
+def compare(
+    cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), verbose: bool = False, against: str = "sglang"
+) -> Comparison:
+    """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared: the lab's cache against SGLang's (`against`:
+    `sglang`, 0.5.23, or a release `sglang==X`). `binders`: what both runs bind (the lab's: `lab.binders.LAB`,
+    which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate change: mutants.py)."""
+    sides = {"lab": "lab", "sglang": against}
     summaries = {
-        impl: launch.run(with_impl(cfg, impl), out / impl, verbose, (*binders, *(lab_binders * (impl == "lab"))))
-        for impl in ("lab", "sglang")
+        side: launch.run(with_impl(cfg, impl), out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
+        for side, impl in sides.items()
     }
     differences = (
         step_differences(out / "lab", out / "sglang")

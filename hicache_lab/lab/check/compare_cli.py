@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ...entrypoints.args import add_run_flags, config_from_args
 from ...errors import ConfigError
+from ..sglang import releases
 from ..sglang.binder import SGLANG_CACHE
 from .compare import by_step, compare, with_impl
 from .mutants import MUTANTS, Mutant
@@ -114,6 +115,13 @@ def add_compare_flags(parser) -> None:
     parser.add_argument("--out", default="runs/compare", help="where both runs go: OUT/lab, OUT/sglang")
     parser.add_argument("--show", type=int, default=5, help="differences to print (default 5)")
     parser.add_argument(
+        "--against",
+        default="sglang",
+        metavar="{sglang,sglang==X}",
+        help="SGLang's side: sglang (0.5.23, default) or an installed release, which runs its own agreement "
+        "whatever --sync says (e.g. --sync legacy --against sglang==0.5.12: the lab's legacy beside that release)",
+    )
+    parser.add_argument(
         "--worlds",
         action="store_true",
         help="compare over the lab's list of worlds instead (`WORLDS` in lab/check/compare_cli.py, their own "
@@ -133,7 +141,10 @@ def cmd_compare(args) -> int:
     prefetches, per-round hit tokens by tier. A run that diverged, crashed or gave wrong outputs on either side
     is said first. Exit 0 equal with both runs sound, 1 different or either run wrong (the first difference
     first; a difference the lab keeps on purpose under its docs/fidelity.md row, where both runs are sound),
-    2 cannot compare, 128 + signal interrupted."""
+    2 cannot compare, 128 + signal interrupted. `--against sglang==X`: SGLang's side runs release X's own cache
+    and agreement."""
+    if args.worlds and args.against != "sglang":
+        raise ConfigError("--worlds compares with sglang 0.5.23: drop --against (or --worlds)")
     if args.worlds:
         rows = run_worlds(Path(args.out), args.binders)
         table = format_worlds(rows)
@@ -145,15 +156,15 @@ def cmd_compare(args) -> int:
         raise ConfigError("compare runs both caches itself: drop --cache-impl")
     if args.show < 0:
         raise ConfigError(f"--show {args.show}: give how many differences to print, 0 or more")
-    SGLANG_CACHE.check(with_impl(cfg, "sglang"))  # refused before either run starts
+    SGLANG_CACHE.check(with_impl(cfg, args.against))  # refused before either run starts
     mutants = (Mutant(args.mutant),) if args.mutant else ()
     for mutant in mutants:
         mutant.check(cfg)
-    result = compare(cfg, Path(args.out), args.binders, mutants)
+    result = compare(cfg, Path(args.out), args.binders, mutants, against=args.against)
     if result.interrupted:
         print(f"interrupted by {result.interrupted}: nothing compared (the runs so far are in {args.out})")
         return 128 + signal.Signals[result.interrupted]
-    for impl, label in (("lab", "lab"), ("sglang", "SGLang")):
+    for impl, label in (("lab", "lab"), ("sglang", f"SGLang {releases.parse(args.against)}")):
         print(f"{label}: {result.wrong.get(impl, 'completed, never diverged; outputs match reference: True')}")
     print(format_rounds(result.summaries))
     steps = len(by_step(Path(args.out) / "lab"))

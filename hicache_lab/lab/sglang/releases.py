@@ -30,6 +30,7 @@ REFERENCE = "0.5.23"  # `--cache-impl sglang`: the venv's sglang, the release th
 class Release:
     version: str
     generation: str  # "hiradix" (HiRadixCache, hiradix.py) or "unified" (UnifiedRadixCache, cache.py)
+    label: str  # what landed, in a few words (the release matrix's column)
     landed: str  # what changed in this release in how ranks agree, with its PR ("" where nothing did)
     shims: tuple[Callable[[], None], ...] = ()  # run in this order, after sys.path and before sglang imports
     pins: tuple[str, ...] = ()  # what `make releases` installs beside it, --no-deps (its pinned imports)
@@ -41,6 +42,7 @@ RELEASES = {
         Release(
             "0.5.10",
             "hiradix",
+            "before the fixes",
             "before the fixes: write acks MIN over the TP group (CP peers in it unless DP attention), load acks "
             "not agreed, no PP relay, an early return",
             (shims.kernel_stand_ins, shims.unpinned_host_memory),
@@ -48,18 +50,21 @@ RELEASES = {
         Release(
             "0.5.11",
             "hiradix",
+            "#20460 CP groups",
             "#20460: the attention-CP and attention-TP groups agree (CP peers always)",
             (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
         ),
         Release(
             "0.5.12",
             "hiradix",
+            "nothing across ranks",
             "none across ranks: the last release without the PP relay",
             (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
         ),
         Release(
             "0.5.13",
             "hiradix",
+            "#27285 PP relay, polled sends",
             "#27285: PP rank 0's counts relayed down the pipeline, load acks agreed; relay sends reaped by polling "
             "(#28902's leak)",
             (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
@@ -67,16 +72,23 @@ RELEASES = {
         Release(
             "0.5.14",
             "hiradix",
+            "no early return",
             "the early return in writing_check removed (every rank calls the collective every step)",
             (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
         ),
         Release(
             "0.5.15",
             "hiradix",
+            "#28916 sends drained",
             "#28916: relay sends drained (waited for) at every check, bounded",
             (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
         ),
-        Release(REFERENCE, "unified", "the reference: UnifiedRadixCache, PP in the prefetch groups (#27010)"),
+        Release(
+            REFERENCE,
+            "unified",
+            "the reference",
+            "the reference: UnifiedRadixCache, PP in the prefetch groups (#27010)",
+        ),
     )
 }
 
@@ -109,12 +121,9 @@ def release_dir(version: str) -> Path:
 
 def installed_version(version: str) -> str | None:
     """The sglang version installed in `version`'s directory (the venv's, for the reference), or None."""
-    if version == REFERENCE:
-        paths = None
-    else:
-        paths = [str(release_dir(version))]
-        if not Path(paths[0]).is_dir():
-            return None
+    paths = sys.path if version == REFERENCE else [str(release_dir(version))]
+    if version != REFERENCE and not Path(paths[0]).is_dir():
+        return None
     found = next(iter(importlib.metadata.distributions(name="sglang", path=paths)), None)
     return found.version if found is not None else None
 

@@ -1,0 +1,161 @@
+"""`python -m hicache_lab releases`: SGLang's history in its own code. Every installed release (`make releases`)
+runs as every rank's cache (`--cache-impl sglang==X`, lab/sglang/releases.py) over a set of worlds, and each run
+says what that release's own code did there: diverged (at which step, on which queue), crashed (with which
+error), deadlocked (a collective that never met, within `--collective-timeout`), leaked relay sends (outstanding
+sends from earlier steps never reaped), or agreed with exact outputs. A table (OUT/releases.md) and a figure
+(OUT/releases.png: release × world, coloured by outcome, each release's column named by what landed in it).
+A world a release cannot run is refused before any rank starts, with the reason; an interrupted run is not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...config import RunConfig
+from ...entrypoints.launch import run
+from ...errors import ConfigError
+from ..presets import WORLD
+from ..presets import config as preset_config
+from ..sglang import releases
+from ..sglang.binder import SGLANG_CACHE
+
+BASE_FLAGS = f"{WORLD} --collective-timeout 20"  # the zoo's small world: host tier, output oracle, 3 layers
+
+
+@dataclass(frozen=True)
+class World:
+    key: str  # its name for --worlds
+    name: str
+    flags: str
+    shows: str  # which agreement the world puts to the test
+
+
+WORLDS = (
+    World("pp2", "PP 2", "--pp 2", "the PP relay (#27285)"),
+    World("pp3", "PP 3", "--pp 3", "the relay through a middle stage"),
+    World("cp2", "CP 2", "--cp 2", "load acks across CP peers"),
+    World("cp2-dpa", "CP 2, DP attention", "--cp 2 --enable-dp-attention", "the CP groups (#20460)"),
+    World("tp2pp2", "TP 2 x PP 2", "--tp 2 --pp 2", "TP peers and stages together"),
+    World("pp2-async", "PP 2, async depth 1", "--pp 2 --pp-async-batch-depth 1", "micro-batches beyond the stages"),
+    World(
+        "pp2-l3",
+        "PP 2, file L3, timeout",
+        "--pp 2 --hicache-storage-backend file --hicache-storage-prefetch-policy timeout",
+        "the storage threads and the prefetch vote",
+    ),
+)
+OUTCOMES = ("agreed", "leaked", "diverged", "crashed", "deadlocked", "wrong", "refused", "not judged")
+
+
+@dataclass
+class Cell:
+    release: str
+    world: str
+    outcome: str  # one of OUTCOMES
+    detail: str
+
+
+def config(release: str, world: World) -> RunConfig:
+    return preset_config(BASE_FLAGS, world.flags, f"--cache-impl sglang=={release}")
+
+
+def judge(release: str, world: World, summary: dict) -> Cell:
+    """What release `release`'s code did in `world`, from its run's summary."""
+    s, sched = summary, summary.get("scheduling") or {}
+    outstanding = f"at most {sched.get('max_relay_sends', 0)} relay sends outstanding"
+    if s.get("interrupted"):
+        return Cell(release, world.name, "not judged", f"interrupted by {s['interrupted']}")
+    if s["diverged"]:
+        first = s["first_divergence"]
+        values = ", ".join(f"rank {r} {v}" for r, v in first["values"].items())
+        then = f"; then {s['error']}" if s["crashed"] else ""
+        return Cell(release, world.name, "diverged", f"step {first['step']}, {first['quantity']}: {values}{then}")
+    if s["crashed"]:
+        waited = "timed out" in (s["error"] or "") or "never reported" in (s["error"] or "")
+        return Cell(release, world.name, "deadlocked" if waited else "crashed", s["error"])
+    if s["outputs_match_reference"] is not True:
+        return Cell(release, world.name, "wrong", f"outputs match reference: {s['outputs_match_reference']}")
+    older = sched.get("max_older_relay_sends", 0)
+    if older:
+        return Cell(release, world.name, "leaked", f"{outstanding}, {older} of them from earlier steps; outputs exact")
+    return Cell(release, world.name, "agreed", f"outputs exact; {outstanding}")
+
+
+def run_cell(release: str, world: World, out: Path) -> Cell:
+    try:
+        cfg = config(release, world)
+        SGLANG_CACHE.check(cfg)
+    except ConfigError as exc:
+        return Cell(release, world.name, "refused", str(exc).split("cannot run this: ")[-1])
+    summary = run(cfg, out / f"sglang-{release}" / world.key, verbose=False, binders=(SGLANG_CACHE,))
+    return judge(release, world, summary)
+
+
+def format_table(cells: list[Cell], worlds: tuple[World, ...]) -> str:
+    """A markdown table, one row per world, one column per release."""
+    versions = list(dict.fromkeys(c.release for c in cells))
+    by = {(c.release, c.world): c for c in cells}
+    lines = [
+        "| world | " + " | ".join(f"sglang {v}" for v in versions) + " |",
+        "|---|" + "---|" * len(versions),
+    ]
+    for world in worlds:
+        row = [f"**{by[v, world.name].outcome}**: {by[v, world.name].detail}" for v in versions]
+        lines.append(f"| {world.name} | " + " | ".join(row) + " |")
+    landed = "; ".join(f"{v}: {releases.RELEASES[v].landed}" for v in versions)
+    return "\n".join(lines) + f"\n\nWhat landed in each release (from its code): {landed}."
+
+
+def add_releases_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--releases",
+        default="",
+        help=f"comma-separated releases (default: every one installed; the lab runs {', '.join(releases.RELEASES)})",
+    )
+    parser.add_argument(
+        "--worlds", default="", help=f"comma-separated worlds (default: all: {', '.join(w.key for w in WORLDS)})"
+    )
+    parser.add_argument("--out", default="runs/releases", help="run directories, table and figure")
+
+
+def chosen(args) -> tuple[list[str], tuple[World, ...]]:
+    versions = [v.strip() for v in args.releases.split(",") if v.strip()] or releases.installed()
+    unknown = [v for v in versions if v not in releases.RELEASES]
+    if unknown:
+        raise ConfigError(f"--releases {','.join(unknown)}: the lab runs {', '.join(releases.RELEASES)}")
+    if not versions:
+        raise ConfigError("no release is installed: `make releases` installs them (`make` installs 0.5.23)")
+    if missing := [f"{v}: {why}" for v in versions if (why := releases.missing(v))]:
+        raise ConfigError("; ".join(missing))
+    names = [w.strip() for w in args.worlds.split(",") if w.strip()]
+    known = {w.key: w for w in WORLDS}
+    if unknown := [n for n in names if n not in known]:
+        raise ConfigError(f"--worlds {','.join(unknown)}: choose among {', '.join(known)}")
+    return versions, tuple(known[n] for n in names) if names else WORLDS
+
+
+def cmd_releases(args) -> int:
+    """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
+    then the table (OUT/releases.md) and the figure (OUT/releases.png). Exit 0 when every cell was judged,
+    whatever the release did there (that is its history); 130 when interrupted (the cells so far are printed)."""
+    from ..figures.releases import plot_release_matrix
+
+    versions, worlds = chosen(args)
+    out = Path(args.out)
+    cells = []
+    for version in versions:
+        for world in worlds:
+            cell = run_cell(version, world, out)
+            print(f"sglang {version:<7} {world.name:<24} {cell.outcome}: {cell.detail}", flush=True)
+            cells.append(cell)
+            if cell.outcome == "not judged":
+                print("interrupted: the cells so far are above")
+                return 130
+    table = format_table(cells, worlds)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "releases.md").write_text(table + "\n")
+    plot_release_matrix(cells, worlds, out / "releases.png")
+    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {out / 'releases.png'}")
+    return 0
