@@ -8,7 +8,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check lint notebooks render clean
+# SGLang's releases as a rank's cache (`--cache-impl sglang==X`, `python -m hicache_lab releases`): each installed
+# --no-deps in .releases/sglang-X with the pure-Python imports it pins (0.5.23 is the venv's). `make releases`
+# installs RELEASES; `make test` installs TEST_RELEASES (a failed install only skips their tests, saying why).
+RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.14 0.5.15
+TEST_RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.15
+RELEASE_PINS := einops==0.8.2
+
+.PHONY: demo test check lint notebooks render clean releases test-releases
 
 $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,12 +28,21 @@ $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 		|| echo "sglang is not installable here: its source beside the lab's is skipped"
 	touch $(STAMP)
 
+.releases/sglang-%/.installed: | $(STAMP)
+	rm -rf .releases/sglang-$*
+	$(PY) -m pip install -q --no-deps --target .releases/sglang-$* sglang==$* $(RELEASE_PINS) \
+		&& touch $@ || (rm -rf .releases/sglang-$*; echo "sglang $* is not installable here: its runs are refused")
+
+releases: $(foreach v,$(RELEASES),.releases/sglang-$(v)/.installed)
+
+test-releases: $(foreach v,$(TEST_RELEASES),.releases/sglang-$(v)/.installed)
+
 demo: $(STAMP)
 	$(PY) -m hicache_lab demo --out runs/demo
 
 # Two workers (pytest-xdist), each taking a whole file at a time: much of the suite waits on processes and
 # timeouts, not on the cores.
-test: $(STAMP)
+test: $(STAMP) test-releases
 	$(PY) -m pytest -q --durations=15 -n 2 --dist loadfile tests
 
 # The inner loop: every test that runs in this one process and quickly (no spawned ranks, CLI runs, torchrun or

@@ -26,33 +26,56 @@ from pathlib import Path
 from ...config import RunConfig
 from ...entrypoints import launch
 from ...managers.step_trace import read_trace
+from ..sglang import releases
 from ..sglang.reverts import NO_SGLANG_SITE
 
 STEP_QUANTITIES = ("acks_write", "acks_load", "kind", "requests", "extend_tokens", "prefix_tokens", "relay_sent")
 ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
 # what both caches' storage summaries count the same way (SGLang's: lab/sglang/rank_cache.SGLangRankCache.summary)
 PREFETCH_QUANTITIES = ("prefetches", "rate_limited", "revoked")
-# Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies, why)
+# Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies to the
+# world and SGLang's side, why, the quantities it explains: None for any)
 KEPT = (
     (
         "N1",
-        lambda cfg: cfg.parallel.pp > 1 and bool({"alloc_agreement", "prefetch_vote"} & cfg.parallel.fixes),
+        lambda cfg, against: cfg.parallel.pp > 1 and bool({"alloc_agreement", "prefetch_vote"} & cfg.parallel.fixes),
         "the proposals turned on by name (`--enable-fix`: the allocation vote of #31425, the prefetch vote of "
         "#38273) are agreements no release has: more relay sends down the pipeline than 0.5.23's one per step",
+        None,
     ),
     (
         "V1",
-        lambda cfg: cfg.cache.latency == "real",
+        lambda cfg, against: cfg.cache.latency == "real",
         "real latency: each run's copies finish at its own machine's times, so steps are not comparable; only "
         "completion and outputs are",
+        None,
     ),
     (
         "V2",
-        lambda cfg: cfg.cache.storage_backend != "none",
+        lambda cfg, against: cfg.cache.storage_backend != "none",
         "L3 timing: SGLang's storage threads read and write files on the wall clock (and its `timeout` policy "
         "waits in seconds), the lab's storage tier completes by steps under virtual latency",
+        None,
+    ),
+    (
+        "R1",
+        lambda cfg, against: releases.generation(against) == "hiradix",
+        "HiRadixCache releases start a node's host write as it is queued, one copy and one ack per node; the lab "
+        "(as 0.5.23) starts a batch's queued writes as one copy: write acks consumed per step differ in count",
+        ("acks_write",),
     ),
 )
+
+
+def parted(divergence: dict | None):
+    """Where a divergence happened and which ranks it parted (ranks grouped by the value each held), whatever the
+    values: None for no divergence."""
+    if divergence is None:
+        return None
+    groups: dict = {}
+    for rank, value in divergence["values"].items():
+        groups.setdefault(repr(value), set()).add(rank)
+    return divergence["step"], divergence["quantity"], sorted(sorted(g) for g in groups.values())
 
 
 @dataclass
@@ -99,12 +122,12 @@ def _ranks(out: Path) -> dict[int, dict]:
     return results
 
 
-def step_differences(lab: Path, sglang: Path) -> list[Difference]:
-    """Every quantity in which the two runs' traces differ, by (step, rank) and in causal order within one; a
-    step one run reached and the other did not is a difference too."""
+def step_differences(lab: Path, sglang: Path, until: int | None = None) -> list[Difference]:
+    """Every quantity in which the two runs' traces differ, by (step, rank) and in causal order within one, up to
+    step `until` (None: all); a step one run reached and the other did not is a difference too."""
     a, b = by_step(lab), by_step(sglang)
     found = []
-    for step, rank in sorted(set(a) | set(b)):
+    for step, rank in sorted(k for k in set(a) | set(b) if until is None or k[0] <= until):
         left, right = a.get((step, rank)), b.get((step, rank))
         where = f"step {step}, rank {rank}"
         if left is None or right is None:
@@ -174,6 +197,13 @@ class Comparison:
         return not self.differences
 
     @property
+    def diverged_alike(self) -> dict | None:
+        """The first divergence both runs took, at the same step on the same queue, parting the same ranks: the
+        same bug in both (their steps are compared up to it; after it each diverged world goes its own way)."""
+        first = [s["first_divergence"] for s in self.summaries.values()]
+        return first[0] if first[0] is not None and parted(first[0]) == parted(first[1]) else None
+
+    @property
     def wrong(self) -> dict[str, str]:
         """{side: how it went wrong} for each side whose run did (`went_wrong`)."""
         return {impl: words for impl, s in self.summaries.items() if (words := went_wrong(s)) is not None}
@@ -186,8 +216,8 @@ class Comparison:
     @property
     def sound(self) -> bool:
         """Both runs completed, never diverged and matched their references: only then is "equal" a verdict of
-        fidelity, and only then can a difference be a kept one (a timing row never explains a crash, a
-        divergence or a wrong output)."""
+        fidelity, and only then (or up to a divergence both took alike) can a difference be a kept one (a timing
+        row never explains a crash, a divergence or a wrong output)."""
         return not self.wrong
 
 
@@ -202,14 +232,16 @@ def compare(
         side: launch.run(with_impl(cfg, impl), out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
         for side, impl in sides.items()
     }
-    differences = (
-        step_differences(out / "lab", out / "sglang")
-        + rank_differences(out / "lab", out / "sglang")
-        + round_differences(summaries["lab"], summaries["sglang"])
-    )
+    first = [parted(s["first_divergence"]) for s in summaries.values()]
+    alike = first[0][0] if first[0] is not None and first[0] == first[1] else None
+    differences = step_differences(out / "lab", out / "sglang", alike) + rank_differences(out / "lab", out / "sglang")
+    if alike is None:  # the rounds a diverged world answered are its own
+        differences += round_differences(summaries["lab"], summaries["sglang"])
     outputs = [summaries[impl]["outputs_match_reference"] for impl in ("lab", "sglang")]
     if outputs[0] != outputs[1]:
         differences.append(Difference("run", "outputs_match_reference", *outputs))
     sound = not any(went_wrong(s) for s in summaries.values())
-    kept = [(row, why) for row, applies, why in KEPT if sound and differences and applies(cfg)]
+    rows = [(row, why, qs) for row, applies, why, qs in KEPT if applies(cfg, against)]
+    explained = all(any(qs is None or d.quantity in qs for _, _, qs in rows) for d in differences)
+    kept = [(row, why) for row, why, _ in rows] if (sound or alike is not None) and differences and explained else []
     return Comparison(summaries, differences, kept)

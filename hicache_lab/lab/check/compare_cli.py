@@ -141,8 +141,9 @@ def cmd_compare(args) -> int:
     prefetches, per-round hit tokens by tier. A run that diverged, crashed or gave wrong outputs on either side
     is said first. Exit 0 equal with both runs sound, 1 different or either run wrong (the first difference
     first; a difference the lab keeps on purpose under its docs/fidelity.md row, where both runs are sound),
-    2 cannot compare, 128 + signal interrupted. `--against sglang==X`: SGLang's side runs release X's own cache
-    and agreement."""
+    2 cannot compare, 128 + signal interrupted. Two runs that diverged alike (same step, queue and values) are
+    compared up to that step only, and said to hold the same bug. `--against sglang==X`: SGLang's side runs
+    release X's own cache and agreement."""
     if args.worlds and args.against != "sglang":
         raise ConfigError("--worlds compares with sglang 0.5.23: drop --against (or --worlds)")
     if args.worlds:
@@ -171,6 +172,13 @@ def cmd_compare(args) -> int:
     if result.equal and result.sound:
         print(f"equal: {steps} rank-steps, every rank's ending, prefetches, rounds")
         return 0
+    if first := result.diverged_alike:
+        print(
+            f"both diverged alike at step {first['step']} on {first['quantity']}, parting the same ranks: the same "
+            "bug in both; steps compared up to it (each diverged world's later steps are its own)"
+        )
+        if result.equal:
+            return 1
     if result.equal:
         print(f"equal, but both runs went wrong, identically ({steps} rank-steps): see above; this is no fidelity")
         return 1

@@ -109,6 +109,12 @@ def parse(impl: str) -> str | None:
     return version
 
 
+def generation(impl: str) -> str | None:
+    """The API generation of `--cache-impl impl`'s release ("hiradix", "unified"), None for the lab's cache."""
+    version = parse(impl)
+    return RELEASES[version].generation if version is not None else None
+
+
 def releases_root() -> Path:
     """Where releases are installed: $HICACHE_LAB_RELEASES, else `.releases` beside the lab's source tree."""
     configured = os.environ.get("HICACHE_LAB_RELEASES")
