@@ -29,7 +29,7 @@ SHORT = {  # what a cell says, beyond its colour
     "crashed": "crashed",
     "deadlocked": "deadlock",
     "wrong": "wrong",
-    "refused": "not run",
+    "refused": "refused",
     "not judged": "?",
 }
 
@@ -40,8 +40,8 @@ def _label(cell) -> str:
         step, queue = cell.detail.split(":")[0].split(", ")
         return f"diverged\n{step}\n{queue}"
     if cell.outcome in ("leaked", "agreed") and "at most" in cell.detail:
-        sends = cell.detail.split("at most ")[1].split(" ")[0]
-        return f"{SHORT[cell.outcome]}\n{sends} sends"
+        sends = int(cell.detail.split("at most ")[1].split(" ")[0])
+        return f"{SHORT[cell.outcome]}\n{sends} send{'s' * (sends != 1)} held"
     return SHORT[cell.outcome]
 
 
