@@ -3,7 +3,7 @@ runs as every rank's cache (`--cache-impl sglang==X`, lab/sglang/releases.py) ov
 says what that release's own code did there: diverged (at which step, on which queue), crashed (with which
 error), deadlocked (a collective that never met, within `--collective-timeout`), leaked relay sends (outstanding
 sends from earlier steps never reaped), or agreed with exact outputs. A table (OUT/releases.md) and a figure
-(OUT/releases.png: release × world, coloured by outcome, each release's column named by what landed in it).
+(OUT/releases.png, or --figure: release × world, coloured by outcome, each column named by what landed in it).
 A world a release cannot run is refused before any rank starts, with the reason; an interrupted run is not judged.
 """
 
@@ -16,6 +16,7 @@ from pathlib import Path
 from ...config import RunConfig
 from ...entrypoints.launch import run
 from ...errors import ConfigError
+from ..figures.releases import plot_release_matrix
 from ..presets import WORLD
 from ..presets import config as preset_config
 from ..sglang import releases
@@ -55,6 +56,14 @@ class Cell:
     world: str
     outcome: str  # one of OUTCOMES
     detail: str
+    words: tuple[str, ...] = ()  # the cell in a few words, line by line (the table's and the figure's)
+
+    def __post_init__(self) -> None:
+        self.words = self.words or (self.outcome,)
+
+
+def _held(outcome: str, sends: int) -> tuple[str, ...]:
+    return (outcome, f"{sends} send{'s' * (sends != 1)} held") if sends else (outcome,)
 
 
 def config(release: str, world: World) -> RunConfig:
@@ -71,16 +80,18 @@ def judge(release: str, world: World, summary: dict) -> Cell:
         first = s["first_divergence"]
         values = ", ".join(f"rank {r} {v}" for r, v in first["values"].items())
         then = f"; then {s['error']}" if s["crashed"] else ""
-        return Cell(release, world.name, "diverged", f"step {first['step']}, {first['quantity']}: {values}{then}")
+        detail = f"step {first['step']}, {first['quantity']}: {values}{then}"
+        return Cell(release, world.name, "diverged", detail, ("diverged", f"step {first['step']}", first["quantity"]))
     if s["crashed"]:
         waited = "timed out" in (s["error"] or "") or "never reported" in (s["error"] or "")
         return Cell(release, world.name, "deadlocked" if waited else "crashed", s["error"])
     if s["outputs_match_reference"] is not True:
         return Cell(release, world.name, "wrong", f"outputs match reference: {s['outputs_match_reference']}")
-    older = sched.get("max_older_relay_sends", 0)
+    older, sends = sched.get("max_older_relay_sends", 0), sched.get("max_relay_sends", 0)
     if older:
-        return Cell(release, world.name, "leaked", f"{outstanding}, {older} of them from earlier steps; outputs exact")
-    return Cell(release, world.name, "agreed", f"outputs exact; {outstanding}")
+        detail = f"{outstanding}, {older} of them from earlier steps; outputs exact"
+        return Cell(release, world.name, "leaked", detail, _held("leaked", sends))
+    return Cell(release, world.name, "agreed", f"outputs exact; {outstanding}", _held("agreed", sends))
 
 
 def run_cell(release: str, world: World, out: Path) -> Cell:
@@ -94,18 +105,22 @@ def run_cell(release: str, world: World, out: Path) -> Cell:
 
 
 def format_table(cells: list[Cell], worlds: tuple[World, ...]) -> str:
-    """A markdown table, one row per world, one column per release."""
+    """A markdown table, one row per world, one column per release, each cell in a few words; then every cell
+    that did not agree, in full."""
     versions = list(dict.fromkeys(c.release for c in cells))
     by = {(c.release, c.world): c for c in cells}
     lines = [
-        "| world | " + " | ".join(f"sglang {v}" for v in versions) + " |",
+        "| world | " + " | ".join(f"{v}: {releases.RELEASES[v].label}" for v in versions) + " |",
         "|---|" + "---|" * len(versions),
     ]
     for world in worlds:
-        row = [f"**{by[v, world.name].outcome}**: {by[v, world.name].detail}" for v in versions]
+        row = (", ".join(by[v, world.name].words) for v in versions)
         lines.append(f"| {world.name} | " + " | ".join(row) + " |")
-    landed = "; ".join(f"{v}: {releases.RELEASES[v].landed}" for v in versions)
-    return "\n".join(lines) + f"\n\nWhat landed in each release (from its code): {landed}."
+    lines.append("")
+    for cell in cells:
+        if cell.outcome != "agreed":
+            lines.append(f"* {cell.release}, {cell.world}: {cell.outcome}: {cell.detail}")
+    return "\n".join(lines)
 
 
 def add_releases_flags(parser: argparse.ArgumentParser) -> None:
@@ -117,7 +132,10 @@ def add_releases_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worlds", default="", help=f"comma-separated worlds (default: all: {', '.join(w.key for w in WORLDS)})"
     )
-    parser.add_argument("--out", default="runs/releases", help="run directories, table and figure")
+    parser.add_argument("--out", default="runs/releases", help="run directories and the table (OUT/releases.md)")
+    parser.add_argument(
+        "--figure", help="where the figure goes (default: OUT/releases.png; figures/release_matrix.png is committed)"
+    )
 
 
 def chosen(args) -> tuple[list[str], tuple[World, ...]]:
@@ -140,8 +158,6 @@ def cmd_releases(args) -> int:
     """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
     then the table (OUT/releases.md) and the figure (OUT/releases.png). Exit 0 when every cell was judged,
     whatever the release did there (that is its history); 130 when interrupted (the cells so far are printed)."""
-    from ..figures.releases import plot_release_matrix
-
     versions, worlds = chosen(args)
     out = Path(args.out)
     cells = []
@@ -156,6 +172,7 @@ def cmd_releases(args) -> int:
     table = format_table(cells, worlds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "releases.md").write_text(table + "\n")
-    plot_release_matrix(cells, worlds, out / "releases.png")
-    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {out / 'releases.png'}")
+    figure = Path(args.figure) if args.figure else out / "releases.png"
+    plot_release_matrix(cells, worlds, figure)
+    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {figure}")
     return 0

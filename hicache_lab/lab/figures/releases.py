@@ -22,30 +22,10 @@ OUTCOME_COLORS = {
     "refused": "#d9d9d9",
     "not judged": "#ffffff",
 }
-SHORT = {  # what a cell says, beyond its colour
-    "agreed": "agreed",
-    "leaked": "leaked",
-    "diverged": "diverged",
-    "crashed": "crashed",
-    "deadlocked": "deadlock",
-    "wrong": "wrong",
-    "refused": "refused",
-    "not judged": "?",
-}
-
-
-def _label(cell) -> str:
-    """The cell's outcome, and where it diverged or how many sends it left."""
-    if cell.outcome == "diverged":
-        step, queue = cell.detail.split(":")[0].split(", ")
-        return f"diverged\n{step}\n{queue}"
-    if cell.outcome in ("leaked", "agreed") and "at most" in cell.detail:
-        sends = int(cell.detail.split("at most ")[1].split(" ")[0])
-        return f"{SHORT[cell.outcome]}\n{sends} send{'s' * (sends != 1)} held"
-    return SHORT[cell.outcome]
 
 
 def plot_release_matrix(cells, worlds, path: Path) -> None:
+    """`cells` (check/releases.Cell) over `worlds`, one column per release, as a PNG at `path`."""
     versions = list(dict.fromkeys(c.release for c in cells))
     by = {(c.release, c.world): c for c in cells}
     fig, ax = plt.subplots(figsize=(1.7 * len(versions) + 2.6, 0.85 * len(worlds) + 2.4))
@@ -54,7 +34,7 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
             cell = by[version, world.name]
             ax.add_patch(plt.Rectangle((col, row), 1, 1, color=OUTCOME_COLORS[cell.outcome], ec="white", lw=2))
             dark = cell.outcome in ("diverged", "crashed", "deadlocked")
-            ax.text(col + 0.5, row + 0.5, _label(cell), ha="center", va="center", fontsize=7.5,
+            ax.text(col + 0.5, row + 0.5, "\n".join(cell.words), ha="center", va="center", fontsize=7.5,
                     color="white" if dark else "black")  # fmt: skip
     ax.set_xlim(0, len(versions))
     ax.set_ylim(len(worlds), 0)
