@@ -9,11 +9,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 # SGLang's releases as a rank's cache (`--cache-impl sglang==X`, `python -m hicache_lab releases`): each installed
-# --no-deps in .releases/sglang-X with the pure-Python imports it pins (0.5.23 is the venv's). `make releases`
-# installs RELEASES; `make test` installs TEST_RELEASES (a failed install only skips their tests, saying why).
-RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.14 0.5.15
+# --no-deps in .releases/sglang-X, the pure-Python imports it pins in .releases/pins (0.5.23 is the venv's).
+# `make releases` installs RELEASES; `make test` installs TEST_RELEASES (one that fails only skips its tests).
+RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.14 0.5.15 0.5.16 0.5.17 0.5.18 0.5.22
 TEST_RELEASES ?= 0.5.10 0.5.11 0.5.12 0.5.13 0.5.15
-RELEASE_PINS := einops==0.8.2
 
 .PHONY: demo test check lint notebooks render clean releases test-releases
 
@@ -28,14 +27,11 @@ $(STAMP): pyproject.toml Makefile requirements-sglang-cpu.txt
 		|| echo "sglang is not installable here: its source beside the lab's is skipped"
 	touch $(STAMP)
 
-.releases/sglang-%/.installed: | $(STAMP)
-	rm -rf .releases/sglang-$*
-	$(PY) -m pip install -q --no-deps --target .releases/sglang-$* sglang==$* $(RELEASE_PINS) \
-		&& touch $@ || (rm -rf .releases/sglang-$*; echo "sglang $* is not installable here: its runs are refused")
+releases: $(STAMP)
+	$(PY) -m hicache_lab.lab.sglang.releases $(RELEASES)
 
-releases: $(foreach v,$(RELEASES),.releases/sglang-$(v)/.installed)
-
-test-releases: $(foreach v,$(TEST_RELEASES),.releases/sglang-$(v)/.installed)
+test-releases: $(STAMP)
+	$(PY) -m hicache_lab.lab.sglang.releases --best-effort $(TEST_RELEASES)
 
 demo: $(STAMP)
 	$(PY) -m hicache_lab demo --out runs/demo

@@ -160,7 +160,8 @@ class SGLangCacheBinder(Binder):
         # the lab's count, which SGLang's own sizing must reach (world.host_pool_args): checked as it is built
         host_tokens = sync.agree_host_capacity(c.host_tokens(kv.bytes_per_token)) if c.enable_hierarchical_cache else 0
         if version != releases.REFERENCE:
-            cache = HiRadixRankCache.for_release(version)(c, host_tokens, clock, kv, world)
+            adapter = HiRadixRankCache if releases.RELEASES[version].generation == "hiradix" else SGLangRankCache
+            cache = adapter.for_release(version)(c, host_tokens, clock, kv, world)
             self.host_tokens, self.replaced = cache.host_tokens, []
             return cache.pool, cache
         undone = reverts.reverts_for(cfg.parallel.fixes)

@@ -34,6 +34,7 @@ from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import CopyJob
 from ...mem_cache.utils import page_floor
 from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
+from .releases import REFERENCE, activate
 from .world import host_pool_args
 
 NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
@@ -49,9 +50,13 @@ class SGLangMatch(NamedTuple):
 
 
 @functools.cache
-def sglang_modules():
-    """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang)."""
-    prepare_imports()
+def sglang_modules(version: str = REFERENCE):
+    """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang): the venv's
+    0.5.23, or release `version` of the same API (releases.py)."""
+    if version == REFERENCE:
+        prepare_imports()
+    else:
+        activate(version)
     with quiet_imports():
         from sglang.srt import server_args
         from sglang.srt.arg_groups import hicache_hook, resolution_hooks
@@ -92,6 +97,8 @@ class SGLangCache:
     `cfg.enable_hierarchical_cache` a host pool of exactly `host_tokens` slots. Its device pool holds `shape`
     (default: 2 layers of one head of 2 dimensions, the conformance replay's). `world` places it in a lab world
     (world.py: the rank's process groups, its stage, its storage backend); without one it is a world of one."""
+
+    version = REFERENCE  # the release whose modules it builds from (`for_release`)
 
     def __init__(self, cfg: CacheConfig, host_tokens: int, clock, shape: KVShape | None = None, world=None):
         sg = self.sg = self.modules()
@@ -143,8 +150,13 @@ class SGLangCache:
 
     # -- what differs between SGLang's releases (hiradix.py: the HiRadixCache ones) -------------------------
 
+    @classmethod
+    def for_release(cls, version: str) -> type:
+        """This adapter for release `version` (its modules imported from its own directory)."""
+        return type(f"{cls.__name__}_{version.replace('.', '_')}", (cls,), {"version": version})
+
     def modules(self):
-        return sglang_modules()
+        return sglang_modules(self.version)
 
     def resolve(self, server_args, world) -> None:
         """SGLang's own resolution of the host tier's flags (with the direct io backend, page_first becomes

@@ -71,12 +71,6 @@ def _leading_done(queue) -> int:
 class HiRadixRankCache(SGLangRankCache):
     """One rank's `HiRadixCache` of release `version` in a lab world, answering the whole cache contract."""
 
-    version = ""  # set by `for_release`
-
-    @classmethod
-    def for_release(cls, version: str) -> type[HiRadixRankCache]:
-        return type(f"HiRadixRankCache_{version.replace('.', '_')}", (cls,), {"version": version})
-
     # -- built as the release builds it ---------------------------------------------------------------------
 
     def modules(self):

@@ -6,15 +6,19 @@ directory first on `sys.path` before anything imports sglang: a process holds on
 cannot share one). sglang 0.5.23, the lab's reference, is the venv's own (`--cache-impl sglang`).
 
 A release is driven through the adapter of its API generation (`hiradix.py`: `HiRadixCache(params,
-server_args)`, 0.5.10 to 0.5.18; cache.py: `UnifiedRadixCache` and `init_hicache`, 0.5.23) after the import
-shims it needs (shims.py): what each bridges is named there. What a release does across ranks, and the PR that
-changed it, is `landed` (from the release's own code: docs/fidelity.md, "SGLang's releases").
+server_args)`, 0.5.10 to 0.5.18; cache.py and rank_cache.py: `UnifiedRadixCache` and `init_hicache`, 0.5.22 and
+0.5.23) after the import shims it needs (shims.py): what each bridges is named there. 0.5.19 to 0.5.21, a
+`UnifiedRadixCache` without 0.5.22's `path_device_indices` and `checkpoint`, have no adapter yet. What a release
+changed in how ranks agree, and the PR, is its `landed` (read from its code: docs/fidelity.md, "SGLang's
+releases in the lab's worlds").
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,9 +37,12 @@ class Release:
     label: str  # what landed, in a few words (the release matrix's column)
     landed: str  # what changed in this release in how ranks agree, with its PR ("" where nothing did)
     shims: tuple[Callable[[], None], ...] = ()  # run in this order, after sys.path and before sglang imports
-    pins: tuple[str, ...] = ()  # what `make releases` installs beside it, --no-deps (its pinned imports)
+    pins: tuple[str, ...] = ("einops==0.8.2",)  # what it imports beyond the venv: installed beside it, --no-deps
 
 
+OLD_KERNELS = (shims.kernel_stand_ins, shims.unpinned_host_memory)  # 0.5.10-0.5.12 import sgl_kernel on CPU
+GUARDED = (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory)  # 0.5.13 on
+XGRAMMAR = ("einops==0.8.2", "xgrammar==0.2.1")  # 0.5.16 on: server_args reaches xgrammar (function calling)
 RELEASES = {
     r.version: r
     for r in (
@@ -45,21 +52,21 @@ RELEASES = {
             "before the fixes",
             "before the fixes: write acks MIN over the TP group (CP peers in it unless DP attention), load acks "
             "not agreed, no PP relay, an early return",
-            (shims.kernel_stand_ins, shims.unpinned_host_memory),
+            OLD_KERNELS,
         ),
         Release(
             "0.5.11",
             "hiradix",
             "#20460 CP groups",
             "#20460: the attention-CP and attention-TP groups agree (CP peers always)",
-            (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
+            (shims.configs_registered_twice, *OLD_KERNELS),
         ),
         Release(
             "0.5.12",
             "hiradix",
             "nothing across ranks",
-            "none across ranks: the last release without the PP relay",
-            (shims.configs_registered_twice, shims.kernel_stand_ins, shims.unpinned_host_memory),
+            "nothing across ranks: the last release without the PP relay",
+            (shims.configs_registered_twice, *OLD_KERNELS),
         ),
         Release(
             "0.5.13",
@@ -67,27 +74,39 @@ RELEASES = {
             "#27285 PP relay, polled sends",
             "#27285: PP rank 0's counts relayed down the pipeline, load acks agreed; relay sends reaped by polling "
             "(#28902's leak)",
-            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+            GUARDED,
         ),
         Release(
             "0.5.14",
             "hiradix",
             "no early return",
             "the early return in writing_check removed (every rank calls the collective every step)",
-            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+            GUARDED,
+        ),
+        Release("0.5.15", "hiradix", "#28916 sends drained", "#28916: relay sends drained at every check", GUARDED),
+        Release("0.5.16", "hiradix", "nothing across ranks", "nothing across ranks", GUARDED, XGRAMMAR),
+        Release("0.5.17", "hiradix", "nothing across ranks", "nothing across ranks", GUARDED, XGRAMMAR),
+        Release(
+            "0.5.18",
+            "hiradix",
+            "nothing across ranks",
+            "nothing across ranks (the last HiRadixCache release)",
+            GUARDED,
+            XGRAMMAR,
         ),
         Release(
-            "0.5.15",
-            "hiradix",
-            "#28916 sends drained",
-            "#28916: relay sends drained (waited for) at every check, bounded",
-            (shims.configs_registered_twice, shims.direct_copy_global, shims.unpinned_host_memory),
+            "0.5.22",
+            "unified",
+            "UnifiedRadixCache",
+            "UnifiedRadixCache (from 0.5.19), with 0.5.23's API: the PP group in the prefetch groups (#27010)",
+            pins=(),
         ),
         Release(
             REFERENCE,
             "unified",
             "the reference",
-            "the reference: UnifiedRadixCache, PP in the prefetch groups (#27010)",
+            "the reference: the lab's own code follows it",
+            pins=(),
         ),
     )
 }
@@ -134,13 +153,21 @@ def installed_version(version: str) -> str | None:
     return found.version if found is not None else None
 
 
+def pin_dir(pin: str) -> Path:
+    """Where a release's pinned import is installed, shared by the releases that pin it."""
+    return releases_root() / "pins" / pin.replace("==", "-")
+
+
 def missing(version: str) -> str | None:
     """Why release `version` cannot run here, saying how to install it; None where it can."""
     found = installed_version(version)
-    if found == version:
+    absent = [pin for pin in RELEASES[version].pins if not pin_dir(pin).is_dir()]
+    if found == version and not absent:
         return None
     where = "the venv" if version == REFERENCE else str(release_dir(version))
     what = f"sglang {found} is in {where}" if found else f"sglang {version} is not installed in {where}"
+    if found == version:
+        what = f"sglang {version}'s pinned imports {', '.join(absent)} are not installed in {pin_dir('').parent}"
     how = "make installs it" if version == REFERENCE else f"make releases RELEASES={version} installs it"
     return f"{what}: {how}"
 
@@ -163,9 +190,46 @@ def activate(version: str) -> Release:
         if loaded is not None and not str(loaded.__file__).startswith(directory):
             raise RuntimeError(f"this process imported sglang from {loaded.__file__}: one release per process")
         if directory not in sys.path:
-            sys.path.insert(0, directory)
+            sys.path[:0] = [directory, *(str(pin_dir(pin)) for pin in release.pins)]
     prepare_imports(version)
     with quiet_imports():
         for shim in release.shims:
             shim()
     return release
+
+
+def install(version: str) -> None:
+    """Install release `version` and its pins, each with `pip install --no-deps --target`, into a scratch
+    directory renamed into place when whole: a directory present is complete. CalledProcessError if pip fails."""
+    targets = [(f"sglang=={version}", release_dir(version)), *((p, pin_dir(p)) for p in RELEASES[version].pins)]
+    for spec, target in targets:
+        if target.is_dir():
+            continue
+        scratch = target.with_name(f"{target.name}.partial")
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.parent.mkdir(parents=True, exist_ok=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(scratch), spec]
+        subprocess.run(pip, check=True)
+        scratch.rename(target)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m hicache_lab.lab.sglang.releases [--best-effort] X ...` (`make releases`): install releases.
+    With --best-effort a release pip cannot install is said and skipped (its runs are refused, its tests skip)."""
+    best_effort = "--best-effort" in argv
+    versions = [v for v in argv if v != "--best-effort"]
+    if unknown := [v for v in versions if v not in RELEASES or v == REFERENCE]:
+        print(f"the lab runs releases {', '.join(v for v in RELEASES if v != REFERENCE)}, not {', '.join(unknown)}")
+        return 2
+    failed = []
+    for version in versions:
+        try:
+            install(version)
+        except subprocess.CalledProcessError as exc:
+            failed.append(version)
+            print(f"sglang {version} is not installable here (pip exit {exc.returncode}): its runs are refused")
+    return 1 if failed and not best_effort else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -7,6 +7,7 @@ and 0.5.23's own CPU stand-ins are cpu.py's.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 import types
 
@@ -57,11 +58,15 @@ def kernel_stand_ins() -> None:
 
 
 def direct_copy_global() -> None:
-    """0.5.13 to 0.5.15 guard that import on CUDA, so the `direct` backend's kernels are missing as it calls
-    them (`memory_pool_host.py`): set as the module's globals, cpu.py's indexed copies."""
-    module = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
-    for name, copy in DIRECT_COPIES.items():
-        setattr(module, name, copy)
+    """0.5.13 on guard that import on CUDA, so the `direct` backend's kernels are missing as it calls them: set as
+    the globals of the module that holds the MHA host pool (`memory_pool_host`; `pool_host.mha` from 0.5.16), as
+    cpu.py's indexed copies."""
+    for name in ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.memory_pool_host"):
+        if importlib.util.find_spec(name) is not None:
+            module = importlib.import_module(name)
+            for kernel, copy in DIRECT_COPIES.items():
+                setattr(module, kernel, copy)
+            return
 
 
 def unpinned_host_memory() -> None:
