@@ -7,7 +7,6 @@ and 0.5.23's own CPU stand-ins are cpu.py's.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import sys
 import types
 
@@ -62,11 +61,15 @@ def direct_copy_global() -> None:
     the globals of the module that holds the MHA host pool (`memory_pool_host`; `pool_host.mha` from 0.5.16), as
     cpu.py's indexed copies."""
     for name in ("sglang.srt.mem_cache.pool_host.mha", "sglang.srt.mem_cache.memory_pool_host"):
-        if importlib.util.find_spec(name) is not None:
+        try:
             module = importlib.import_module(name)
-            for kernel, copy in DIRECT_COPIES.items():
-                setattr(module, kernel, copy)
-            return
+        except ModuleNotFoundError as exc:
+            if not name.startswith(str(exc.name)):
+                raise  # the module is there, and something it imports is not
+            continue
+        for kernel, copy in DIRECT_COPIES.items():
+            setattr(module, kernel, copy)
+        return
 
 
 def unpinned_host_memory() -> None:

@@ -105,6 +105,14 @@ FAST = [  # (what the adversary does, `python -m hicache_lab` ARGS, what the lab
      _environ(GIT_TEST_ASSUME_DIFFERENT_OWNER="1")),
     ("`student-edition` where no one can create files (/proc)", "student-edition /proc/hicache-edition",
      "student-edition /proc/hicache-edition is not writable: cannot create a file in /proc"),
+    ("`--cache-impl sglang==0.5.99`, a release the lab has no adapter for", "run --cache-impl sglang==0.5.99 --out out",
+     "--cache-impl sglang==0.5.99: choose lab, sglang (sglang 0.5.23), or sglang==X for a release the lab runs"),
+    ("`--cache-impl sglang==0.5.12` where no release is installed",
+     "run --pp 2 --enable-hierarchical-cache --cache-impl sglang==0.5.12 --out out",
+     "sglang 0.5.12 is not installed in /nonexistent/sglang-0.5.12: make releases RELEASES=0.5.12 installs it",
+     _environ(HICACHE_LAB_RELEASES="/nonexistent")),
+    ("`releases --worlds pp9`, a world the matrix does not have", "releases --worlds pp9 --out out",
+     "--worlds pp9: choose among pp2, pp3"),
 ]
 SLOW = [  # only in soak --hostile: the rest of the README's table and more of each kind
     ("`--prefetch-timeout-base=-inf`", "run --prefetch-timeout-base=-inf --out out",

@@ -55,7 +55,7 @@ CASES = [
         "`compare` of a world whose two runs diverge alike (`--disable-fix pp_relay`)",
         user_code("compare", *WORLD.split(), "--pp", "2", "--num-rounds", "3", "--disable-fix", "pp_relay"),
         1,
-        "equal, but both runs went wrong, identically",
+        "both diverged alike at step 3 on acks_write, parting the same ranks: the same bug in both",
         owns=USER_CODE,
         needs=_sglang_missing,
     ),
