@@ -44,13 +44,13 @@ from .errors import ConfigError
 from .lab.binders import LAB
 from .lab.check.compare_cli import add_compare_flags, cmd_compare
 from .lab.check.exhaustive import add_exhaustive_flags, cmd_exhaustive
-from .lab.check.releases import add_releases_flags, cmd_releases
 from .lab.check.soak import add_soak_flags, cmd_soak
 from .lab.check.zoo import add_zoo_flags, cmd_zoo
 from .lab.figures.against_sglang import compare_with_sglang
 from .lab.figures.hit_rates import plot_hit_rates
 from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
+from .lab.figures.releases import add_releases_flags, cmd_releases
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
 from .lab.sglang.source import read_bench_multiturn
 from .lab.teach.edition import add_edition_flags, cmd_edition

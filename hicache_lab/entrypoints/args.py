@@ -185,21 +185,17 @@ IGNORE_EOS_HELP = (
     "admit as if answers might stop early (bench_serving's flag): a running request's remaining answer is "
     "reserved times new_token_ratio, not in full; answers still run to the end (retractions)"
 )
+DP_ATTENTION_HELP = (
+    "with --cache-impl sglang*: SGLang's scheduler gives its cache the attention-TP group as the TP group, as under "
+    "DP attention (which DSA's round-robin CP forces): 0.5.10 then leaves CP peers out"
+)
 # The other flags: (flag, RunConfig field, parsed value -> field value, argparse options).
 SWITCHES = [
     ("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", bool, _switch("add the host tier (L2)")),
     ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
     ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
-    (
-        "--enable-dp-attention",
-        "parallel.dp_attention",
-        bool,
-        _switch(
-            "with --cache-impl sglang*: SGLang's scheduler gives its cache the attention-TP group as the TP group, "
-            "as under DP attention (which DSA's round-robin CP forces): 0.5.10 then leaves CP peers out"
-        ),
-    ),
+    ("--enable-dp-attention", "parallel.dp_attention", bool, _switch(DP_ATTENTION_HELP)),
     (
         "--record-cache-ops",
         "record_cache_ops",
@@ -213,9 +209,8 @@ SWITCHES = [
         {
             "default": "lab",
             "metavar": "{lab,sglang,sglang==X}",
-            "help": "every rank's cache: the lab's; sglang 0.5.23's own, with its own cross-rank agreement (make "
-            "installs it; --sync legacy reverts its PP and CP fixes); or release X's own (sglang==0.5.12: `make "
-            "releases` installs them; `releases` lists them)",
+            "help": "every rank's cache: the lab's; sglang 0.5.23's own (--sync legacy reverts its fixes); or "
+            "release X's own, sglang==0.5.12 say (`make releases` installs them)",
         },
     ),
     ("--skip-load-wait", "cache.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),

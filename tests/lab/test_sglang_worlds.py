@@ -17,8 +17,8 @@ from hicache_lab.lab.binders import run
 from hicache_lab.lab.presets import WORLD, config
 from hicache_lab.lab.sglang import reverts
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE, refusals
-from hicache_lab.lab.sglang.cache import sglang_modules
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang.modules import sglang_modules
 from hicache_lab.lab.sglang.world import served_model_name
 
 pytestmark = pytest.mark.skipif(

@@ -1,4 +1,5 @@
-"""`python -m hicache_lab releases`: SGLang's history in its own code. Every installed release (`make releases`)
+"""The release matrix's runs (`python -m hicache_lab releases`, lab/figures/releases.py): SGLang's history in its
+own code. Every installed release (`make releases`)
 runs as every rank's cache (`--cache-impl sglang==X`, lab/sglang/releases.py) over a set of worlds, and each run
 says what that release's own code did there: diverged (at which step, on which queue), crashed (with which
 error), deadlocked (a collective that never met, within `--collective-timeout`), leaked relay sends (outstanding
@@ -9,14 +10,12 @@ A world a release cannot run is refused before any rank starts, with the reason;
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import RunConfig
 from ...entrypoints.launch import run
 from ...errors import ConfigError
-from ..figures.releases import plot_release_matrix
 from ..presets import WORLD
 from ..presets import config as preset_config
 from ..sglang import releases
@@ -121,58 +120,3 @@ def format_table(cells: list[Cell], worlds: tuple[World, ...]) -> str:
         if cell.outcome != "agreed":
             lines.append(f"* {cell.release}, {cell.world}: {cell.outcome}: {cell.detail}")
     return "\n".join(lines)
-
-
-def add_releases_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--releases",
-        default="",
-        help=f"comma-separated releases (default: every one installed; the lab runs {', '.join(releases.RELEASES)})",
-    )
-    parser.add_argument(
-        "--worlds", default="", help=f"comma-separated worlds (default: all: {', '.join(w.key for w in WORLDS)})"
-    )
-    parser.add_argument("--out", default="runs/releases", help="run directories and the table (OUT/releases.md)")
-    parser.add_argument(
-        "--figure", help="where the figure goes (default: OUT/releases.png; figures/release_matrix.png is committed)"
-    )
-
-
-def chosen(args) -> tuple[list[str], tuple[World, ...]]:
-    versions = [v.strip() for v in args.releases.split(",") if v.strip()] or releases.installed()
-    unknown = [v for v in versions if v not in releases.RELEASES]
-    if unknown:
-        raise ConfigError(f"--releases {','.join(unknown)}: the lab runs {', '.join(releases.RELEASES)}")
-    if not versions:
-        raise ConfigError("no release is installed: `make releases` installs them (`make` installs 0.5.23)")
-    if missing := [f"{v}: {why}" for v in versions if (why := releases.missing(v))]:
-        raise ConfigError("; ".join(missing))
-    names = [w.strip() for w in args.worlds.split(",") if w.strip()]
-    known = {w.key: w for w in WORLDS}
-    if unknown := [n for n in names if n not in known]:
-        raise ConfigError(f"--worlds {','.join(unknown)}: choose among {', '.join(known)}")
-    return versions, tuple(known[n] for n in names) if names else WORLDS
-
-
-def cmd_releases(args) -> int:
-    """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
-    then the table (OUT/releases.md) and the figure (OUT/releases.png). Exit 0 when every cell was judged,
-    whatever the release did there (that is its history); 130 when interrupted (the cells so far are printed)."""
-    versions, worlds = chosen(args)
-    out = Path(args.out)
-    cells = []
-    for version in versions:
-        for world in worlds:
-            cell = run_cell(version, world, out)
-            print(f"sglang {version:<7} {world.name:<24} {cell.outcome}: {cell.detail}", flush=True)
-            cells.append(cell)
-            if cell.outcome == "not judged":
-                print("interrupted: the cells so far are above")
-                return 130
-    table = format_table(cells, worlds)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "releases.md").write_text(table + "\n")
-    figure = Path(args.figure) if args.figure else out / "releases.png"
-    plot_release_matrix(cells, worlds, figure)
-    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {figure}")
-    return 0

@@ -1,15 +1,19 @@
-"""The release matrix (`python -m hicache_lab releases`): one column per SGLang release, named by what landed in
-it, one row per world, each cell coloured by what that release's own code did there."""
+"""`python -m hicache_lab releases`: the release matrix (check/releases.py runs its cells) as a table and a figure,
+one column per SGLang release, named by what landed in it, one row per world, each cell coloured by what that
+release's own code did there."""
 
 from __future__ import annotations
 
+import argparse
 import textwrap
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from ..sglang.releases import RELEASES
+from ...errors import ConfigError
+from ..check.releases import WORLDS, World, format_table, run_cell
+from ..sglang import releases
 from .style import save_figure
 
 OUTCOME_COLORS = {
@@ -61,4 +65,59 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
 
 def _column(version: str) -> str:
     """A release's column label: its version and what landed in it, wrapped."""
-    return f"{version}\n" + "\n".join(textwrap.wrap(RELEASES[version].label, 16))
+    return f"{version}\n" + "\n".join(textwrap.wrap(releases.RELEASES[version].label, 16))
+
+
+def add_releases_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--releases",
+        default="",
+        help=f"comma-separated releases (default: every one installed; the lab runs {', '.join(releases.RELEASES)})",
+    )
+    parser.add_argument(
+        "--worlds", default="", help=f"comma-separated worlds (default: all: {', '.join(w.key for w in WORLDS)})"
+    )
+    parser.add_argument("--out", default="runs/releases", help="run directories and the table (OUT/releases.md)")
+    parser.add_argument(
+        "--figure", help="where the figure goes (default: OUT/releases.png; figures/release_matrix.png is committed)"
+    )
+
+
+def chosen(args) -> tuple[list[str], tuple[World, ...]]:
+    versions = [v.strip() for v in args.releases.split(",") if v.strip()] or releases.installed()
+    unknown = [v for v in versions if v not in releases.RELEASES]
+    if unknown:
+        raise ConfigError(f"--releases {','.join(unknown)}: the lab runs {', '.join(releases.RELEASES)}")
+    if not versions:
+        raise ConfigError("no release is installed: `make releases` installs them (`make` installs 0.5.23)")
+    if missing := [f"{v}: {why}" for v in versions if (why := releases.missing(v))]:
+        raise ConfigError("; ".join(missing))
+    names = [w.strip() for w in args.worlds.split(",") if w.strip()]
+    known = {w.key: w for w in WORLDS}
+    if unknown := [n for n in names if n not in known]:
+        raise ConfigError(f"--worlds {','.join(unknown)}: choose among {', '.join(known)}")
+    return versions, tuple(known[n] for n in names) if names else WORLDS
+
+
+def cmd_releases(args) -> int:
+    """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
+    then the table (OUT/releases.md) and the figure (OUT/releases.png). Exit 0 when every cell was judged,
+    whatever the release did there (that is its history); 130 when interrupted (the cells so far are printed)."""
+    versions, worlds = chosen(args)
+    out = Path(args.out)
+    cells = []
+    for version in versions:
+        for world in worlds:
+            cell = run_cell(version, world, out)
+            print(f"sglang {version:<7} {world.name:<24} {cell.outcome}: {cell.detail}", flush=True)
+            cells.append(cell)
+            if cell.outcome == "not judged":
+                print("interrupted: the cells so far are above")
+                return 130
+    table = format_table(cells, worlds)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "releases.md").write_text(table + "\n")
+    figure = Path(args.figure) if args.figure else out / "releases.png"
+    plot_release_matrix(cells, worlds, figure)
+    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {figure}")
+    return 0

@@ -20,8 +20,6 @@ Nothing here decides anything: each method calls SGLang's own entry point, the o
 
 from __future__ import annotations
 
-import functools
-import logging
 import types
 from array import array
 from typing import NamedTuple
@@ -33,8 +31,8 @@ from ...errors import PoolExhaustedError
 from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import CopyJob
 from ...mem_cache.utils import page_floor
-from .cpu import install_cpu_replacements, prepare_imports, quiet_imports
-from .releases import REFERENCE, activate
+from .modules import sglang_modules
+from .releases import REFERENCE
 from .world import host_pool_args
 
 NO_LAYERS = CopyJob(layers=[], poison=lambda: None)  # SGLang has moved the bytes already; the event only times
@@ -47,49 +45,6 @@ class SGLangMatch(NamedTuple):
     last_device_node: int
     last_host_node: int
     host_hit_length: int
-
-
-@functools.cache
-def sglang_modules(version: str = REFERENCE):
-    """SGLang's modules the adapter builds from (imported on first use: the lab runs without sglang): the venv's
-    0.5.23, or release `version` of the same API (releases.py)."""
-    if version == REFERENCE:
-        prepare_imports()
-    else:
-        activate(version)
-    with quiet_imports():
-        from sglang.srt import server_args
-        from sglang.srt.arg_groups import hicache_hook, resolution_hooks
-        from sglang.srt.mem_cache import (
-            base_prefix_cache,
-            cache_init_params,
-            l2_transfer,
-            memory_pool,
-            radix_cache,
-            unified_radix_cache,
-        )
-        from sglang.srt.mem_cache.allocator import paged, token
-        from sglang.srt.mem_cache.unified_cache import component_type
-    install_cpu_replacements()
-    # CPU events keep no time, so SGLang's copy timing is off; it says so at every copy engine it builds.
-    logging.getLogger(l2_transfer.__name__).setLevel(logging.ERROR)
-    # Its hook says at every build that the direct io backend turns page_first into page_first_direct.
-    logging.getLogger(hicache_hook.__name__).setLevel(logging.ERROR)
-    return types.SimpleNamespace(
-        params=base_prefix_cache,
-        RadixKey=radix_cache.RadixKey,
-        UnifiedRadixCache=unified_radix_cache.UnifiedRadixCache,
-        TokenAllocator=token.TokenToKVPoolAllocator,
-        PagedAllocator=paged.PagedTokenToKVPoolAllocator,
-        CacheInitParams=cache_init_params.CacheInitParams,
-        MHATokenToKVPool=memory_pool.MHATokenToKVPool,
-        ReqToTokenPool=memory_pool.ReqToTokenPool,
-        FULL=component_type.ComponentType.FULL,
-        ServerArgs=server_args.ServerArgs,
-        publish=server_args.set_global_server_args_for_scheduler,
-        run_hook=resolution_hooks.run_hook,
-        handle_hicache=hicache_hook.handle_hicache,
-    )
 
 
 class SGLangCache:

@@ -15,47 +15,12 @@ event is the lab's clock's, so ranks see their copies finish at different steps,
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib
-import logging
-import types
 
 import torch
 
 from .cache import NO_LAYERS, SGLangMatch
-from .cpu import quiet_imports
+from .modules import hiradix_modules
 from .rank_cache import SGLangRankCache
-from .releases import activate
-
-
-@functools.cache
-def release_modules(version: str):
-    """Release `version`'s modules the adapter builds from (its directory first on sys.path, its shims run)."""
-    activate(version)
-
-    def load(name: str):
-        with quiet_imports():
-            return importlib.import_module(f"sglang.srt.{name}")
-
-    params, allocator = load("mem_cache.base_prefix_cache"), load("mem_cache.allocator")
-    pool, radix, common = load("mem_cache.memory_pool"), load("mem_cache.radix_cache"), load("mem_cache.common")
-    server_args = load("server_args")
-    logging.getLogger(server_args.__name__).setLevel(logging.ERROR)  # it says page_first becomes page_first_direct
-    return types.SimpleNamespace(
-        version=version,
-        params=params,
-        RadixKey=radix.RadixKey,
-        RadixCache=radix.RadixCache,
-        HiRadixCache=load("mem_cache.hiradix_cache").HiRadixCache,
-        TokenAllocator=allocator.TokenToKVPoolAllocator,
-        PagedAllocator=allocator.PagedTokenToKVPoolAllocator,
-        CacheInitParams=load("mem_cache.cache_init_params").CacheInitParams,
-        MHATokenToKVPool=pool.MHATokenToKVPool,
-        ReqToTokenPool=pool.ReqToTokenPool,
-        ServerArgs=server_args.ServerArgs,
-        publish=server_args.set_global_server_args_for_scheduler,
-        evict_from_tree_cache=common.evict_from_tree_cache,
-    )
 
 
 def _leading_done(queue) -> int:
@@ -74,7 +39,7 @@ class HiRadixRankCache(SGLangRankCache):
     # -- built as the release builds it ---------------------------------------------------------------------
 
     def modules(self):
-        return release_modules(self.version)
+        return hiradix_modules(self.version)
 
     def resolve(self, server_args, world) -> None:
         """The release's own resolution of the host tier's flags (page_first with the direct io backend becomes

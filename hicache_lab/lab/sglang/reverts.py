@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...parallel_config import SYNC_FIXES
-from .cache import sglang_modules
+from .modules import sglang_modules
 
 MIN = dist.ReduceOp.MIN
 
