@@ -72,7 +72,8 @@ def config(release: str, world: World) -> RunConfig:
 def judge(release: str, world: World, summary: dict) -> Cell:
     """What release `release`'s code did in `world`, from its run's summary."""
     s, sched = summary, summary.get("scheduling") or {}
-    outstanding = f"at most {sched.get('max_relay_sends', 0)} relay sends outstanding"
+    most = sched.get("max_relay_sends", 0)
+    outstanding = f"at most {most} relay send{'s' * (most != 1)} outstanding"
     if s.get("interrupted"):
         return Cell(release, world.name, "not judged", f"interrupted by {s['interrupted']}")
     if s["diverged"]:

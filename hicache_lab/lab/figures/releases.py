@@ -84,8 +84,9 @@ def add_releases_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def chosen(args) -> tuple[list[str], tuple[World, ...]]:
-    versions = [v.strip() for v in args.releases.split(",") if v.strip()] or releases.installed()
-    unknown = [v for v in versions if v not in releases.RELEASES]
+    asked = {v.strip() for v in args.releases.split(",") if v.strip()}
+    versions = [v for v in releases.RELEASES if v in asked] or releases.installed()
+    unknown = sorted(asked - set(releases.RELEASES))
     if unknown:
         raise ConfigError(f"--releases {','.join(unknown)}: the lab runs {', '.join(releases.RELEASES)}")
     if not versions:

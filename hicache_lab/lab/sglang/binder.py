@@ -62,9 +62,10 @@ def refusals(cfg: RunConfig) -> list[str]:
 
 
 def release_refusals(cfg: RunConfig, version: str) -> list[str]:
-    """Why release `version`'s HiRadixCache cannot run `cfg` (0.5.23's refusals, and what the adapter of its
-    generation does not bridge): each a sentence that says what to change."""
+    """Why release `version` cannot run `cfg` (0.5.23's refusals, and what the adapter of its generation does not
+    bridge): each a sentence that says what to change."""
     c, p = cfg.cache, cfg.parallel
+    hiradix = releases.RELEASES[version].generation == "hiradix"
     checks = (
         (
             p.sync == "fixed" and not p.enable_fixes and not p.disable_fixes,
@@ -72,12 +73,12 @@ def release_refusals(cfg: RunConfig, version: str) -> list[str]:
             "code does; drop them",
         ),
         (
-            c.storage_backend == "none",
+            c.storage_backend == "none" or not hiradix,
             f"--hicache-storage-backend: sglang {version}'s storage flow (prefetch revokes, host slots held from "
             f"issue) is not bridged by the lab's adapter; run L3 worlds with --cache-impl sglang",
         ),
         (
-            c.hicache_size_gb == 0,
+            c.hicache_size_gb == 0 or not hiradix,
             f"--hicache-size: sglang {version} sizes its host pool per stage from bytes; give --hicache-ratio",
         ),
     )
@@ -159,14 +160,15 @@ class SGLangCacheBinder(Binder):
         )
         # the lab's count, which SGLang's own sizing must reach (world.host_pool_args): checked as it is built
         host_tokens = sync.agree_host_capacity(c.host_tokens(kv.bytes_per_token)) if c.enable_hierarchical_cache else 0
-        if version != releases.REFERENCE:
-            adapter = HiRadixRankCache if releases.RELEASES[version].generation == "hiradix" else SGLangRankCache
-            cache = adapter.for_release(version)(c, host_tokens, clock, kv, world)
-            self.host_tokens, self.replaced = cache.host_tokens, []
-            return cache.pool, cache
-        undone = reverts.reverts_for(cfg.parallel.fixes)
-        with reverts.applied(undone, lambda: {"UnifiedRadixCache": cache.cache, "HiCacheController": cache.controller}):
-            cache = SGLangRankCache(c, host_tokens, clock, kv, world)
+        undone = reverts.reverts_for(cfg.parallel.fixes) if version == releases.REFERENCE else []
+        if releases.RELEASES[version].generation == "hiradix":
+            cache = HiRadixRankCache.for_release(version)(c, host_tokens, clock, kv, world)
+        else:
+            adapter = SGLangRankCache if version == releases.REFERENCE else SGLangRankCache.for_release(version)
+            with reverts.applied(
+                undone, lambda: {"UnifiedRadixCache": cache.cache, "HiCacheController": cache.controller}
+            ):
+                cache = adapter(c, host_tokens, clock, kv, world)
         self.host_tokens = cache.host_tokens
         self.replaced = reverts.described(undone)
         if c.storage_backend != "none" and not c.storage_dir:
