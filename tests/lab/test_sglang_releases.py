@@ -14,13 +14,16 @@ import pytest
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB
 from hicache_lab.lab.check.compare import compare
-from hicache_lab.lab.check.releases import WORLDS, config, judge, run_cell
+from hicache_lab.lab.check.releases import WORLDS, World, config, judge, run_cell
+from hicache_lab.lab.check.zoo import ENTRIES, impls, not_in_releases
 from hicache_lab.lab.presets import WORLD
 from hicache_lab.lab.presets import config as preset_config
 from hicache_lab.lab.sglang import releases
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE
 
 WORLD_BY_KEY = {w.key: w for w in WORLDS}
+PP2_SHORT = World("pp2", "PP 2, 2 rounds", "--pp 2 --num-rounds 2", "the PP relay")  # the suite's budget
+CP2_SHORT = World("cp2-dpa", "CP 2, DP attention, 2 rounds", "--cp 2 --enable-dp-attention --num-rounds 2", "")
 
 
 def installed(*versions: str):
@@ -33,13 +36,14 @@ def installed(*versions: str):
 def test_the_pp_relay_lands_in_0_5_13_and_its_leak_is_drained_in_0_5_15(tmp_path):
     """0.5.12 diverges where the lab's legacy does; 0.5.13 agrees but never reaps its relay sends; 0.5.15 agrees
     and drains them."""
-    legacy = compare(preset_config(WORLD, "--pp 2 --sync legacy"), tmp_path / "legacy", LAB, against="sglang==0.5.12")
+    cfg = preset_config(WORLD, PP2_SHORT.flags, "--sync legacy")
+    legacy = compare(cfg, tmp_path / "legacy", LAB, against="sglang==0.5.12")
     lab, old = legacy.summaries["lab"], legacy.summaries["sglang"]
     assert old["diverged"] and old["first_divergence"]["quantity"] == "acks_write"
     assert lab["first_divergence"] == old["first_divergence"]
-    relay = run_cell("0.5.13", WORLD_BY_KEY["pp2"], tmp_path)
+    relay = run_cell("0.5.13", PP2_SHORT, tmp_path)
     assert relay.outcome == "leaked", relay.detail
-    drained = run_cell("0.5.15", WORLD_BY_KEY["pp2"], tmp_path)
+    drained = run_cell("0.5.15", PP2_SHORT, tmp_path)
     assert drained.outcome == "agreed", drained.detail
     assert "at most 2 relay sends" in drained.detail or "at most 1 relay send " in drained.detail
 
@@ -49,10 +53,18 @@ def test_the_pp_relay_lands_in_0_5_13_and_its_leak_is_drained_in_0_5_15(tmp_path
 def test_the_cp_groups_land_in_0_5_11_under_dp_attention(tmp_path):
     """Under DP attention 0.5.10 agrees write acks over the attention-TP group alone: CP peers diverge on them.
     0.5.11 agrees them over the CP group too; its CP peers still disagree on load acks (agreed from 0.5.13)."""
-    world = WORLD_BY_KEY["cp2-dpa"]
-    before, after = run_cell("0.5.10", world, tmp_path), run_cell("0.5.11", world, tmp_path)
+    before, after = run_cell("0.5.10", CP2_SHORT, tmp_path), run_cell("0.5.11", CP2_SHORT, tmp_path)
     assert before.outcome == "diverged" and "acks_write" in before.detail, before.detail
     assert after.outcome != "diverged" or "acks_load" in after.detail, after.detail
+
+
+def test_the_zoo_names_the_releases_that_have_a_bug_and_its_fix():
+    """An entry whose bug lives in SGLang's releases runs broken on the last one with it and fixed on the first
+    with the fix, neither with a fix switched; one whose bug no release has says so."""
+    assert impls(ENTRIES["write_acks"], "releases") == ("sglang==0.5.12", "sglang==0.5.13")
+    assert impls(ENTRIES["relay_send_growth"], "releases") == ("sglang==0.5.14", "sglang==0.5.15")
+    assert "no release the lab runs" in not_in_releases(ENTRIES["early_return"])
+    assert impls(ENTRIES["write_acks"], "sglang") == ("sglang", "sglang")
 
 
 def test_cache_impl_names_a_release_the_lab_runs_or_says_which_it_does():

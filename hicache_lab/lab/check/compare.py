@@ -1,6 +1,6 @@
 """`python -m hicache_lab compare [run flags]` (compare_cli.py): one world and workload, run with the lab's
-cache and with sglang 0.5.23's own (`--cache-impl sglang`, lab/sglang/rank_cache.py), compared rank by rank and
-step by step.
+cache and with SGLang's own (`--cache-impl sglang`, 0.5.23, lab/sglang/rank_cache.py; or an installed release,
+`--against sglang==X`), compared rank by rank and step by step.
 
 Compared, in causal order: per step and rank, the acks each rank consumed per queue (the agreed counts), the
 batch it ran (its requests, new tokens and cached prefix) and the relay sends it issued down the pipeline (a
@@ -9,9 +9,10 @@ and its storage prefetches issued, declined for the rate limit and revoked; per 
 (storage hits among them); whether outputs matched the reference. Differences are reported first to last
 (step, rank, quantity, both values); where the world has a difference the lab keeps on purpose, it is
 reported under its row of docs/fidelity.md (`KEPT`), never hidden, and only where both runs completed, never
-diverged and matched their references: a crash, a divergence or a wrong output is never a kept difference. A run
-that went wrong on either side is reported before anything else (`went_wrong`); two runs that went wrong the
-same way are equal only in that sense, and said so.
+diverged and matched their references, or diverged alike: a crash, a divergence or a wrong output is never a
+kept difference. A run that went wrong on either side is reported before anything else (`went_wrong`); two runs
+that diverged at the same step on the same queue, parting the same ranks, hold the same bug and are compared up to
+that step (`diverged_alike`); two that went wrong the same way otherwise are equal only in that sense, and said so.
 Exit 0: equal and both sound; 1: different, or either run went wrong; 2: cannot compare (a world SGLang's cache
 refuses, or no sglang); 128 + signal: interrupted.
 """
@@ -34,35 +35,33 @@ ROUND_QUANTITIES = ("cached_device", "cached_host", "cached_storage")
 # what both caches' storage summaries count the same way (SGLang's: lab/sglang/rank_cache.SGLangRankCache.summary)
 PREFETCH_QUANTITIES = ("prefetches", "rate_limited", "revoked")
 # Differences the lab keeps on purpose, by what makes a world have them: (row in docs/fidelity.md, applies to the
-# world and SGLang's side, why, the quantities it explains: None for any)
+# world and SGLang's side, why)
 KEPT = (
     (
         "N1",
         lambda cfg, against: cfg.parallel.pp > 1 and bool({"alloc_agreement", "prefetch_vote"} & cfg.parallel.fixes),
         "the proposals turned on by name (`--enable-fix`: the allocation vote of #31425, the prefetch vote of "
         "#38273) are agreements no release has: more relay sends down the pipeline than 0.5.23's one per step",
-        None,
     ),
     (
         "V1",
         lambda cfg, against: cfg.cache.latency == "real",
         "real latency: each run's copies finish at its own machine's times, so steps are not comparable; only "
         "completion and outputs are",
-        None,
     ),
     (
         "V2",
         lambda cfg, against: cfg.cache.storage_backend != "none",
         "L3 timing: SGLang's storage threads read and write files on the wall clock (and its `timeout` policy "
         "waits in seconds), the lab's storage tier completes by steps under virtual latency",
-        None,
     ),
     (
         "R1",
         lambda cfg, against: releases.generation(against) == "hiradix",
-        "HiRadixCache releases start a node's host write as it is queued, one copy and one ack per node; the lab "
-        "(as 0.5.23) starts a batch's queued writes as one copy: write acks consumed per step differ in count",
-        ("acks_write",),
+        "HiRadixCache releases start a node's host write as it is queued (one copy, one ack per node, each finishing "
+        "at its own step) and relay the write and load counts in a send each; the lab, as 0.5.23, starts a batch's "
+        "writes as one copy and relays one tensor a step: from the first write on, steps are not comparable; only "
+        "completion, outputs and where ranks part are",
     ),
 )
 
@@ -241,7 +240,6 @@ def compare(
     if outputs[0] != outputs[1]:
         differences.append(Difference("run", "outputs_match_reference", *outputs))
     sound = not any(went_wrong(s) for s in summaries.values())
-    rows = [(row, why, qs) for row, applies, why, qs in KEPT if applies(cfg, against)]
-    explained = all(any(qs is None or d.quantity in qs for _, _, qs in rows) for d in differences)
-    kept = [(row, why) for row, why, _ in rows] if (sound or alike is not None) and differences and explained else []
+    judged = (sound or alike is not None) and differences  # a kept row explains only differences of sound runs
+    kept = [(row, why) for row, applies, why in KEPT if judged and applies(cfg, against)]
     return Comparison(summaries, differences, kept)

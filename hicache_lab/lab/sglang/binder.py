@@ -75,7 +75,7 @@ def release_refusals(cfg: RunConfig, version: str) -> list[str]:
         (
             c.storage_backend == "none" or not hiradix,
             f"--hicache-storage-backend: sglang {version}'s storage flow (prefetch revokes, host slots held from "
-            f"issue) is not bridged by the lab's adapter; run L3 worlds with --cache-impl sglang",
+            "issue) is not bridged by the lab's adapter of its API; run L3 worlds on sglang==0.5.22 or sglang",
         ),
         (
             c.hicache_size_gb == 0 or not hiradix,
