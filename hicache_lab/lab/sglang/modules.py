@@ -70,6 +70,7 @@ def hiradix_modules(version: str):
     pool, radix, common = load("mem_cache.memory_pool"), load("mem_cache.radix_cache"), load("mem_cache.common")
     server_args = load("server_args")
     logging.getLogger(server_args.__name__).setLevel(logging.ERROR)  # it says page_first becomes page_first_direct
+    logging.getLogger("sglang.srt.mem_cache.l2_transfer").setLevel(logging.ERROR)  # 0.5.18: CPU events keep no time
     return types.SimpleNamespace(
         version=version,
         params=params,
