@@ -5,7 +5,9 @@ release's own code did there."""
 from __future__ import annotations
 
 import argparse
+import csv
 import textwrap
+from dataclasses import astuple
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -65,7 +67,7 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
 
 def _column(version: str) -> str:
     """A release's column label: its version and what landed in it, wrapped."""
-    return f"{version}\n" + "\n".join(textwrap.wrap(releases.RELEASES[version].label, 16))
+    return f"{version}\n" + "\n".join(textwrap.wrap(releases.RELEASES[version].label, 18, break_long_words=False))
 
 
 def add_releases_flags(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +79,11 @@ def add_releases_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--worlds", default="", help=f"comma-separated worlds (default: all: {', '.join(w.key for w in WORLDS)})"
     )
-    parser.add_argument("--out", default="runs/releases", help="run directories and the table (OUT/releases.md)")
+    parser.add_argument(
+        "--out",
+        default="runs/releases",
+        help="run directories, the table (OUT/releases.md) and its cells (OUT/releases.csv)",
+    )
     parser.add_argument(
         "--figure", help="where the figure goes (default: OUT/releases.png; figures/release_matrix.png is committed)"
     )
@@ -102,8 +108,9 @@ def chosen(args) -> tuple[list[str], tuple[World, ...]]:
 
 def cmd_releases(args) -> int:
     """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
-    then the table (OUT/releases.md) and the figure (OUT/releases.png). Exit 0 when every cell was judged,
-    whatever the release did there (that is its history); 130 when interrupted (the cells so far are printed)."""
+    then the table (OUT/releases.md, its cells in OUT/releases.csv) and the figure (OUT/releases.png). Exit 0
+    when every cell was judged, whatever the release did there (that is its history); 130 when interrupted (the
+    cells so far are printed)."""
     versions, worlds = chosen(args)
     out = Path(args.out)
     cells = []
@@ -118,7 +125,9 @@ def cmd_releases(args) -> int:
     table = format_table(cells, worlds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "releases.md").write_text(table + "\n")
+    with open(out / "releases.csv", "w", newline="") as f:  # one row per cell, for pandas and the like
+        csv.writer(f).writerows([("release", "world", "outcome", "detail")] + [astuple(c)[:4] for c in cells])
     figure = Path(args.figure) if args.figure else out / "releases.png"
     plot_release_matrix(cells, worlds, figure)
-    print(f"\n{table}\n\nwrote {out / 'releases.md'} and {figure}")
+    print(f"\n{table}\n\nwrote {out / 'releases.md'}, {out / 'releases.csv'} and {figure}")
     return 0
