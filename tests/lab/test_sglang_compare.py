@@ -81,18 +81,6 @@ def test_sglangs_host_pools_sized_in_bytes_agree_across_stages_by_sglangs_own_co
     assert broken["crashed"] and "is invalid for input of size" in broken["error"]
 
 
-@pytest.mark.spawns
-def test_compare_of_two_runs_that_diverged_alike_says_so_first_and_fails(tmp_path, capsys):
-    """Both sides diverge at the same step on the same quantity, parting the same ranks: the divergences lead,
-    the verdict says the same bug is in both, and the exit status is run's for a diverged world."""
-    argv = ["compare", *WORLD.split(), "--pp", "2", "--num-rounds", "3", "--disable-fix", "pp_relay"]
-    assert main([*argv, "--out", str(tmp_path)]) == 1
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("lab: diverged at step 3 on acks_write"), out
-    assert out[1].startswith("SGLang 0.5.23: diverged at step 3 on acks_write"), out
-    assert out[-1].startswith("both diverged alike at step 3 on acks_write, parting the same ranks")
-
-
 def test_compare_refuses_a_mutant_that_cannot_act_and_a_negative_count(tmp_path, capsys):
     for flags, said in (
         (["--pp", "2", "--mutant", "relay_skips_stage"], "--mutant relay_skips_stage changes nothing in this world"),
