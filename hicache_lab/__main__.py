@@ -199,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_parser.set_defaults(func=cmd_demo)
     for name, help_text, add_flags, func in LAB_COMMANDS:
-        sub = commands.add_parser(name, help=help_text, description=func.__doc__)
+        sub = commands.add_parser(name, help=help_text, description=func.__doc__ or help_text)
         add_flags(sub)
         sub.set_defaults(func=func, binders=LAB)
     return parser
