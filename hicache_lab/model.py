@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
-import torch.distributed as dist
 
 from .config import ModelConfig
-from .distributed.parallel_state import group_rank_and_size
+from .distributed.parallel_state import all_gather, all_reduce, group_rank_and_size
 from .mem_cache.base import CopyEvent
 from .mem_cache.memory_pool import DeviceKVPool, torch_dtype
 
@@ -118,7 +117,7 @@ class TinyModel:
 
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size > 1:
-            dist.all_reduce(x, group=self.attn_tp_group)
+            all_reduce(x, self.attn_tp_group)
         return x
 
     def _project_kv(self, x: torch.Tensor, w: dict, cos: torch.Tensor, sin: torch.Tensor):
@@ -135,7 +134,7 @@ class TinyModel:
             mine[0, :kept] = self._rope((x[rows] @ w["wk"]).view(-1, h, hd), cos[rows], sin[rows])
             mine[1, :kept] = (x[rows] @ w["wv"]).view(-1, h, hd)
         gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
-        dist.all_gather(gathered, mine, group=self.attn_cp_group)
+        all_gather(gathered, mine, self.attn_cp_group)
         kv = torch.cat(gathered, dim=1)[:, :n]
         return kv[0], kv[1]
 
@@ -146,7 +145,7 @@ class TinyModel:
             if size == 1:
                 continue
             counts = [torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(size)]
-            dist.all_gather(counts, torch.tensor([n], device=self.device), group=group)
+            all_gather(counts, torch.tensor([n], device=self.device), group)
             if len({int(c) for c in counts}) > 1:
                 raise RuntimeError(
                     f"{name} peers disagree on the batch: {[int(c) for c in counts]} tokens (caches diverged)"

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ..config import RunConfig
-from ..distributed.parallel_state import RankLayout
+from ..distributed.parallel_state import RankLayout, placement_words
 from ..errors import ConfigError
 from .binders import Binder, check_all
 from .ending import Adopted, Interrupted, SignalGuard, die_with_parent, exited, process_state
@@ -240,6 +240,8 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
     preflight(cfg, out_dir)
     for flag in idle_flags(cfg) if verbose else ():  # said at the start, and in the summary (report.summarize)
         print(f"warning: {flag}", file=sys.stderr)
+    if verbose and (where := placement_words(cfg.parallel)):
+        print(f"placement: {where}")
     with contextlib.ExitStack() as stack:
         out = Path(out_dir) if out_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         run_id = stack.enter_context(Claim(out)).run_id

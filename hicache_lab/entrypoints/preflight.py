@@ -83,19 +83,22 @@ def check_memory(cfg: RunConfig) -> None:
     local = os.environ.get("LOCAL_WORLD_SIZE", "") if "TORCHELASTIC_RUN_ID" in os.environ else ""
     here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
     machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-    if p.device == "cuda":  # pools, weights and activations there; the rest in memory
-        gpus = range(torch.cuda.device_count())
-        machine["GPU memory"] = sum(torch.cuda.get_device_properties(i).total_memory for i in gpus)
+    share = {"memory": here}  # of the world's need, what this machine (one GPU of it) holds
+    if p.device == "cuda":  # pools, weights and activations there, on the GPU its rank shares; the rest in memory
+        gpus, ranks = torch.cuda.device_count(), round(p.world_size * here)
+        machine["GPU memory"] = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
+        share["GPU memory"] = -(-ranks // gpus) / p.world_size  # the busiest GPU's ranks (round-robin)
     for kind, have in machine.items():
         needed = sorted(
-            (n * here, what, flags)
+            (n * share[kind], what, flags)
             for what, (n, flags, on_device) in memory_needed(cfg).items()
             if kind == ("GPU memory" if on_device and p.device == "cuda" else "memory")
         )
         if (total := sum(n for n, _, _ in needed)) > have:
             n, what, flags = needed[-1]
+            where = "this machine's" if kind == "memory" else "a GPU's (its ranks' share of the world)"
             raise ConfigError(
-                f"this world would allocate about {total / 1e9:.3g} GB, more than this machine's {have / 1e9:.3g} GB "
+                f"this world would allocate about {total / 1e9:.3g} GB, more than {where} {have / 1e9:.3g} GB "
                 f"of {kind}; the most, {n / 1e9:.3g} GB, for {what}: lower {flags}"
             )
 

@@ -18,7 +18,14 @@ import torch.distributed as dist
 
 from ..config import RunConfig
 from ..distributed.cache_sync import CacheSync
-from ..distributed.parallel_state import Groups, RankLayout, build_groups, get_attn_cp_rank_and_size, stage_layers
+from ..distributed.parallel_state import (
+    Groups,
+    RankLayout,
+    build_groups,
+    get_attn_cp_rank_and_size,
+    local_device,
+    stage_layers,
+)
 from ..errors import ConfigError
 from ..managers.scheduler import Scheduler
 from ..managers.scheduler_pp import StageLoop
@@ -116,11 +123,12 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
 
 def meet(cfg: RunConfig, out_dir: Path, run_id: str | None) -> list[dict]:
     """One gather as the ranks join: every rank's configuration and output directory (flattened, as text), run
-    id and process (host, pid), in rank order."""
+    id, process (host, pid) and GPU, in rank order."""
     config = {"out": repr(str(Path(out_dir).resolve()))}
     for key, value in asdict(cfg).items():
         config |= {f"{key}.{k}": repr(v) for k, v in value.items()} if isinstance(value, dict) else {key: repr(value)}
-    mine = {"config": config, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    gpu = torch.cuda.current_device() if cfg.parallel.device == "cuda" else None
+    mine = {"config": config, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "gpu": gpu}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return every
@@ -163,7 +171,7 @@ def run_rank(
     if p.device == "cpu":
         torch.set_num_threads(1)  # tensors are tiny and ranks share the cores: more threads only spin
     else:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        torch.cuda.set_device(local_device(rank))
     timeout = datetime.timedelta(seconds=p.collective_timeout_s)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=p.world_size, timeout=timeout)
     every = meet(cfg, out_dir, run_id)
@@ -173,7 +181,9 @@ def run_rank(
     result["peers"] = {str(r): e["pid"] for r, e in enumerate(every) if e["host"] == socket.gethostname()}
     built = None
     try:
-        built = build_rank(cfg, build_groups(layout, p), out_dir, binders)
+        groups = build_groups(layout, p, [(e["host"], e["gpu"]) for e in every])
+        result["compute_backends"] = groups.compute_backends
+        built = build_rank(cfg, groups, out_dir, binders)
         guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), built, closing=False))
         built.loop.run()
         result["completed"] = True

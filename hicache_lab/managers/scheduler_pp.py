@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..distributed.cache_sync import CacheSync
-from ..distributed.parallel_state import Groups, group_rank_and_size
+from ..distributed.parallel_state import Groups, group_rank_and_size, isend, recv
 from ..mem_cache.memory_pool import DeviceKVPool
 from ..model import TinyModel
 from .schedule_batch import Batch, Req
@@ -91,7 +91,7 @@ class StageLoop:
     # -- point to point ----------------------------------------------------------------------------
 
     def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
-        self.sends.append((self.iteration, dist.isend(tensor, group_dst=dst, group=group), tensor))
+        self.sends.append((self.iteration, *isend(tensor, dst, group)))
 
     def _send_sized(self, tensor: torch.Tensor, dst: int) -> None:
         self._isend(torch.tensor([tensor.numel()], dtype=torch.int64), dst, self.groups.pp_control)
@@ -201,7 +201,7 @@ class StageLoop:
         dist.recv(shape, group_src=self.pp_rank - 1, group=self.groups.pp_control)
         hidden = torch.zeros(*shape.tolist(), device=self.model.device, dtype=self.model.dtype)
         if hidden.numel():
-            dist.recv(hidden, group_src=self.pp_rank - 1, group=self.groups.pp_compute)
+            recv(hidden, self.pp_rank - 1, self.groups.pp_compute)
         return hidden
 
     def _finish(self, batch: Batch) -> None:
