@@ -1,11 +1,10 @@
 """The release matrix's runs (`python -m hicache_lab releases`, lab/figures/releases.py): SGLang's history in its
-own code. Every installed release (`make releases`)
-runs as every rank's cache (`--cache-impl sglang==X`, lab/sglang/releases.py) over a set of worlds, and each run
-says what that release's own code did there: diverged (at which step, on which queue), crashed (with which
-error), deadlocked (a collective that never met, within `--collective-timeout`), leaked relay sends (outstanding
-sends from earlier steps never reaped), or agreed with exact outputs. A table (OUT/releases.md) and a figure
-(OUT/releases.png, or --figure: release × world, coloured by outcome, each column named by what landed in it).
-A world a release cannot run is refused before any rank starts, with the reason; an interrupted run is not judged.
+own code. Every installed release (`make releases`) runs as every rank's cache (`--cache-impl sglang==X`,
+lab/sglang/releases.py) over a set of worlds, and each run says what that release's own code did there: diverged
+(at which step, on which queue), crashed (with which error), deadlocked (a collective that never met, within
+`--collective-timeout`), leaked relay sends (outstanding sends from earlier steps never reaped), or agreed with
+exact outputs. A world a release cannot run is refused before any rank starts, with the reason; an interrupted
+run is not judged.
 """
 
 from __future__ import annotations
@@ -29,31 +28,28 @@ class World:
     key: str  # its name for --worlds
     name: str
     flags: str
-    shows: str  # which agreement the world puts to the test
 
 
 WORLDS = (
-    World("pp2", "PP 2", "--pp 2", "the PP relay (#27285)"),
-    World("pp3", "PP 3", "--pp 3", "the relay through a middle stage"),
-    World("cp2", "CP 2", "--cp 2", "load acks across CP peers"),
-    World("cp2-dpa", "CP 2, DP attention", "--cp 2 --enable-dp-attention", "the CP groups (#20460)"),
-    World("tp2pp2", "TP 2 x PP 2", "--tp 2 --pp 2", "TP peers and stages together"),
-    World("pp2-async", "PP 2, async depth 1", "--pp 2 --pp-async-batch-depth 1", "micro-batches beyond the stages"),
+    World("pp2", "PP 2", "--pp 2"),
+    World("pp3", "PP 3", "--pp 3"),
+    World("cp2", "CP 2", "--cp 2"),
+    World("cp2-dpa", "CP 2, DP attention", "--cp 2 --enable-dp-attention"),
+    World("tp2pp2", "TP 2 x PP 2", "--tp 2 --pp 2"),
+    World("pp2-async", "PP 2, async depth 1", "--pp 2 --pp-async-batch-depth 1"),
     World(
         "pp2-l3",
         "PP 2, file L3, timeout",
         "--pp 2 --hicache-storage-backend file --hicache-storage-prefetch-policy timeout",
-        "the storage threads and the prefetch vote",
     ),
 )
-OUTCOMES = ("agreed", "leaked", "diverged", "crashed", "deadlocked", "wrong", "refused", "not judged")
 
 
 @dataclass
 class Cell:
     release: str
     world: str
-    outcome: str  # one of OUTCOMES
+    outcome: str  # agreed, leaked, diverged, crashed, deadlocked, wrong, refused or not judged
     detail: str
     words: tuple[str, ...] = ()  # the cell in a few words, line by line (the table's and the figure's)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import signal
 import textwrap
 from dataclasses import astuple
 from pathlib import Path
@@ -109,8 +110,8 @@ def chosen(args) -> tuple[list[str], tuple[World, ...]]:
 def cmd_releases(args) -> int:
     """Every chosen release (default: every one installed) over every chosen world, each cell said as it ends;
     then the table (OUT/releases.md, its cells in OUT/releases.csv) and the figure (OUT/releases.png). Exit 0
-    when every cell was judged, whatever the release did there (that is its history); 130 when interrupted (the
-    cells so far are printed)."""
+    when every cell was judged, whatever the release did there (that is its history); 128 + the signal when
+    interrupted (the cells so far are printed)."""
     versions, worlds = chosen(args)
     out = Path(args.out)
     cells = []
@@ -121,7 +122,7 @@ def cmd_releases(args) -> int:
             cells.append(cell)
             if cell.outcome == "not judged":
                 print("interrupted: the cells so far are above")
-                return 130
+                return 128 + signal.Signals[cell.detail.removeprefix("interrupted by ")]
     table = format_table(cells, worlds)
     out.mkdir(parents=True, exist_ok=True)
     (out / "releases.md").write_text(table + "\n")
