@@ -22,8 +22,8 @@ from hicache_lab.lab.sglang import releases
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE
 
 WORLD_BY_KEY = {w.key: w for w in WORLDS}
-PP2_SHORT = World("pp2", "PP 2, 2 rounds", "--pp 2 --num-rounds 2")  # two rounds: the suite's budget
-CP2_SHORT = World("cp2-dpa", "CP 2, DP attention, 2 rounds", "--cp 2 --enable-dp-attention --num-rounds 2")
+PP2_SHORT = World("pp2", "PP 2, 1 round", "--pp 2 --num-rounds 1")  # one round: the suite's budget
+CP2_SHORT = World("cp2-dpa", "CP 2, DP attention, 1 round", "--cp 2 --enable-dp-attention --num-rounds 1")
 
 
 def installed(*versions: str):
