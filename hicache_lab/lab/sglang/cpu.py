@@ -112,7 +112,7 @@ def quiet_imports():
 # -- the six functions of SGLang's host tier that need CUDA, replaced for CPU --------------------------
 
 
-def _unpinned_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+def unpinned_alloc(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
     """`ALLOC_MEMORY_FUNCS["cpu"]`: SGLang pins host memory with cudaHostRegister; here it stays pageable."""
     return torch.zeros(dims, dtype=dtype, device=device)
 
@@ -181,7 +181,7 @@ def install_cpu_replacements() -> None:
     ]
     if missing:
         raise RuntimeError(f"sglang {sglang_version()} moved {missing}: lab/sglang/cpu.py follows {SGLANG_VERSION}")
-    common.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
+    common.ALLOC_MEMORY_FUNCS["cpu"] = unpinned_alloc
     mha.MHATokenToKVPoolHost.get_dummy_flat_data_page = _unpinned_dummy_page
     for name, copy in DIRECT_COPIES.items():  # module globals only where CUDA imported them
         setattr(mha, name, copy)

@@ -10,11 +10,11 @@ import importlib
 import sys
 import types
 
-from .cpu import DIRECT_COPIES, _unpinned_alloc
+from .cpu import DIRECT_COPIES, unpinned_alloc
 
 
 def configs_registered_twice() -> None:
-    """0.5.11 to 0.5.15 register model configs (`qwen3_asr`, ...) that the venv's newer transformers ships itself:
+    """0.5.11 to 0.5.18 register model configs (`qwen3_asr`, ...) that the venv's newer transformers ships itself:
     `AutoConfig.register` raises `... is already used by a Transformers config`. Registered with `exist_ok`."""
     from transformers import AutoConfig
 
@@ -76,4 +76,4 @@ def unpinned_host_memory() -> None:
     """Every release pins its host pool with cudaHostRegister on any device it has no other way for
     (`ALLOC_MEMORY_FUNCS`), which a CPU torch has not: here the host pool stays pageable, as cpu.py's for 0.5.23."""
     module = importlib.import_module("sglang.srt.mem_cache.memory_pool_host")
-    module.ALLOC_MEMORY_FUNCS["cpu"] = _unpinned_alloc
+    module.ALLOC_MEMORY_FUNCS["cpu"] = unpinned_alloc
