@@ -19,7 +19,8 @@ def test_outputs_match_reference(small_config, hicache, policy, latency):
     oracle = summary["oracle"]
     assert oracle["ok"], oracle
     assert oracle["requests_checked"] == 16
-    if hicache:
+    if hicache and latency == "virtual":  # under real latency the machine's timing decides whether a host copy
+        # finished before its node was evicted (write_through_selective on a busy machine: sometimes none did)
         assert sum(r["cached_host"] for r in summary["rounds"]) > 0, "the workload must exercise load-back"
         assert oracle["copies_checked"] > 0
 
