@@ -6,8 +6,12 @@
     or, when no prefill fits, a decode step: one slot per request (evicting then), retracting requests when
     even eviction cannot free them.
 
-Requests still waiting for their storage prefetch are skipped, not waited for. `process_result()`
-(batch_result_processor.py) appends the sampled tokens and puts requests into the tree.
+Requests still waiting for their storage prefetch are skipped, not waited for. `process_result()` (SGLang's
+`batch_result_processor.py`) appends each request's sampled token. A request's prompt goes into the tree after
+its prefill (`cache_unfinished_req`, SGLang's `checkpoint_kv_cache`), as does a chunked request's chunk before
+the next one, and its whole sequence at the end (`cache_finished_req`); the host writes those inserts ask for
+start together when the batch's results are processed (`flush_pending_backups`, as SGLang's
+`process_batch_result`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,8 @@ import torch
 
 from ..errors import PoolExhaustedError, StallError
 from ..mem_cache.base import BasePrefixCache
-from ..mem_cache.utils import match_key
+from ..mem_cache.utils import match_key, page_floor
 from ..model import ForwardBatch
-from .batch_result_processor import SchedulerBatchResultProcessor
 from .schedule_batch import Batch, Req
 from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
 
@@ -29,7 +32,7 @@ STALL_STEPS, STALL_S = 1000, 10.0  # idle steps (and seconds) without an ack con
 STORAGE_STALL_S = 60.0  # seconds a store may leave every waiting request unanswered before the run is stalled
 
 
-class Scheduler(SchedulerBatchResultProcessor):
+class Scheduler:
     """One rank's cache and batch logic; `scheduler_pp.StageLoop` runs the model and moves data between stages.
     It reaches the cache only through the operations of its contract, `mem_cache/base.BasePrefixCache`."""
 
@@ -278,3 +281,55 @@ class Scheduler(SchedulerBatchResultProcessor):
         """Device slots held by requests and not (yet) the tree's."""
         holders = self.running + ([self.chunked_req] if self.chunked_req is not None else [])
         return sum(len(r.slots) - r.prefix_len for r in holders)
+
+    # -- a batch's results (SGLang's `scheduler_components/batch_result_processor.py`) ---------------
+
+    def process_result(self, batch: Batch, tokens: list[int], logits: torch.Tensor | None) -> list[Req]:
+        """Append each request's sampled token (a chunk before the last samples none); a request goes into the
+        tree after its prefill and when it finishes. Returns the finished ones."""
+        if len(tokens) != len(batch.reqs):
+            raise RuntimeError(f"a result of {len(tokens)} tokens for a micro-batch of {len(batch.reqs)} requests")
+        now = time.perf_counter()
+        answered = []
+        for i, (req, token) in enumerate(zip(batch.reqs, tokens, strict=True)):
+            if batch.kind == "prefill" and req.middle_chunks:
+                req.middle_chunks -= 1  # its last row predicts a token of the prompt: nothing to answer
+                continue
+            req.output.append(token)
+            if logits is not None:
+                req.logits.append(logits[i])
+            if batch.kind == "prefill" and not req.first_token_at:
+                req.first_token_at = now
+            answered.append(req)
+        for req in answered:
+            if req.finished:
+                self._cache_finished_req(req)
+            elif batch.kind == "prefill":
+                self._cache_unfinished_req(req)  # SGLang's checkpoint after a prefill
+        self.cache.flush_pending_backups()  # SGLang: "before the next scheduler step"
+        for mb, running in enumerate(self.running_mbs):
+            left = [r for r in running if not r.finished]
+            if len(left) < len(running):
+                running[:], self.batch_is_full[mb] = left, False  # a request left: admission may try again
+        return [r for r in answered if r.finished]
+
+    # -- into the tree ---------------------------------------------------------------------------------
+
+    def _cache_unfinished_req(self, req: Req) -> None:
+        """Insert the whole pages computed so far; the request's row takes the tree's slots, its lock moves."""
+        aligned = page_floor(req.kv_len, self.page_size)
+        tokens = tuple(req.fill_ids[:aligned])
+        slots, req.last_node = self.cache.cache_unfinished_req(
+            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len
+        )
+        req.slots = torch.cat([slots, req.slots[aligned:]])
+        req.prefix_len, req.checkpointed = aligned, req.kv_len
+        req.inserted_len = max(req.inserted_len, aligned)
+
+    def _cache_finished_req(self, req: Req) -> None:
+        """Insert the finished sequence's whole pages; free duplicates and the unused tail; unlock."""
+        aligned = page_floor(req.kv_len, self.page_size)
+        tokens = tuple(req.fill_ids[:aligned])
+        self.cache.cache_finished_req(
+            tokens, req.slots, req.prefix_len, req.last_node, req.inserted_len, len(req.prompt)
+        )

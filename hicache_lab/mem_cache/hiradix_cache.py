@@ -1,15 +1,28 @@
 """HiRadixCache: the radix cache plus the host tier (SGLang's `HiRadixCache`, `--enable-hierarchical-cache`).
 
-Write policies: `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit (both
-with its ancestors that have no host copy, top down, so host copies stay contiguous from the root; a batch's
-writes start together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
-consumed, by a count every rank agreed on (`check_hicache_events`). A copy's slots are reserved on every rank or
-on none (`reserve`). Eviction is hiradix_eviction.py's; load back and the insertion of prefetched pages are
-hiradix_load_back.py's. The storage tier moves pages; only this class and its mixins change the tree. Each of
-these is checked against SGLang 0.5.23's own cache (lab/sglang/conformance.py).
+* **Writes** - `write_through` backs a node up when inserted, `write_through_selective` on its 2nd hit (both with
+  its ancestors that have no host copy, top down, so host copies stay contiguous from the root; a batch's writes
+  start together when it ends), `write_back` only when evicted. An in-flight copy locks its node until its ack is
+  consumed, by a count every rank agreed on (`check_hicache_events`). A copy's slots are reserved on every rank
+  or on none (`reserve`).
+* **Eviction** - a backed-up leaf evicted from the device loses only its device copy and stays in the tree,
+  host-only, for a load back; one not backed up leaves the tree, with its host-only subtree (under write_back it
+  is written to the host first). Host eviction removes host-only leaves, least recently used first; under
+  write_back it first drops the host copies of nodes also on the device. `make_room` evicts only what a pool
+  lacks for a copy, as SGLang does.
+* **Load back** - a match whose tail only the host holds loads that chain back to the device, all or nothing,
+  from `load_back_threshold` tokens; its nodes are locked until the load ack is consumed (`loading_check`).
+* **Prefetch** - a request whose prompt the tree lacks at least `prefetch_threshold` tokens of, below a node with
+  a host copy, starts a storage prefetch (storage_tier.py); at admission the pages every rank holds go into the
+  tree as host-only nodes below that anchor.
+
+The storage tier moves pages; only this class changes the tree. Each of these is checked against SGLang 0.5.23's
+own cache (lab/sglang/conformance.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -18,20 +31,27 @@ from ..distributed.cache_sync import CacheSync
 from ..errors import AllocationError
 from .base import BaseHiCache
 from .cache_controller import HiCacheController
-from .hiradix_eviction import HiRadixEviction, make_room
-from .hiradix_load_back import HiRadixLoadBack
 from .memory_pool import PageAllocator
 from .radix_cache import RadixCache
-from .radix_tree import InsertResult
-from .storage_tier import StorageTier
+from .radix_tree import InsertResult, evict_lru
+from .storage_tier import PrefetchOp, StorageTier
 from .tree_node import TreeNode
+from .utils import match_key
 
 WRITE_THRESHOLD = {"write_through": 1, "write_through_selective": 2}
 
 
-# The mixins, then BaseHiCache before RadixCache: BaseHiCache's abstract methods must be met here or in a mixin
-# (the device-only cache's empty defaults do not count).
-class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
+def make_room(alloc: PageAllocator, num_tokens: int, evict: Callable[[int], int]) -> None:
+    """Evict what `alloc` lacks for `num_tokens` (the shortfall, as SGLang's `_execute_kv_backup` and
+    `_load_back_transfers` do)."""
+    shortfall = num_tokens - alloc.available_size()
+    if shortfall > 0:
+        evict(shortfall)
+
+
+# BaseHiCache before RadixCache: BaseHiCache's abstract methods must be met here (the device-only cache's empty
+# defaults do not count).
+class HiRadixCache(BaseHiCache, RadixCache):
     def __init__(
         self,
         cfg: CacheConfig,
@@ -109,6 +129,70 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
             if self.storage is not None:  # SGLang's _evict_write_back -> write_backup_storage
                 self.storage.backup(node)
                 self.tree.protect_host(node)
+
+    # -- eviction: from the device and from the host -------------------------------------------------
+
+    def _evict_leaf(self, node: TreeNode) -> int:
+        """A backed-up leaf loses only its device copy; write_back copies it to the host first. One that still has
+        no host copy leaves the tree with its host-only subtree, unless a host copy there is protected (storage
+        reads or writes it, or it anchors a prefetch: `host_ref` counts them up to the root): then it stays on the
+        device and frees nothing, as SGLang 0.5.23's `drop_subtree_no_host` declines."""
+        if not node.backuped and self.cfg.write_policy == "write_back":
+            self._write_back(node)
+        if not node.backuped and node.host_ref > 0:
+            return 0
+        freed = len(node.value)
+        self._traced_evictions.append([node.id, freed])
+        self.device_alloc.free(node.value)
+        if node.backuped:
+            self.tree.set_device(node, None)
+        else:
+            self._delete_subtree(node)
+        return freed
+
+    def _delete_subtree(self, node: TreeNode) -> None:
+        """Remove a node whose device copy is gone and which has no host copy, with its host-only subtree."""
+        for child in list(node.children.values()):
+            self._delete_subtree(child)
+        if node.backuped:
+            self.host_alloc.free(node.host_value)
+        self.tree.delete_leaf(node)
+
+    def evict_host(self, num_tokens: int) -> int:
+        """Free host slots: under write_back, host copies of nodes also on the device first (SGLang 0.5.23's
+        `_reclaim_full_host_duplicates`), then host-only leaves, least recently used first."""
+        freed = self._reclaim_host_duplicates(num_tokens) if self.cfg.write_policy == "write_back" else 0
+        return freed + evict_lru(self.tree.evictable_host_leaves, num_tokens - freed, self._evict_host_leaf)
+
+    def _reclaim_host_duplicates(self, num_tokens: int) -> int:
+        """Drop host copies of nodes also on the device, in the order they became duplicates: a first pass
+        spares device leaves (the next device eviction would keep their host copy), a second takes them. A node
+        a load is filling, or whose own host copy is protected, keeps it."""
+        freed, swept = 0, []
+        for spare_leaves in (True, False):
+            leaves = self.tree.evictable_leaves if spare_leaves else set()
+            for node in self.tree.host_duplicates.values():
+                if freed >= num_tokens:
+                    break
+                if node.evicted or not node.backuped:
+                    swept.append(node.id)  # lost a tier since it registered
+                    continue
+                own_protection = node.host_ref - sum(c.host_ref for c in node.children.values())
+                if node in leaves or node.load_pending is not None or own_protection > 0:
+                    continue
+                freed += len(node.host_value)
+                self.host_alloc.free(node.host_value)
+                node.host_value = None
+                swept.append(node.id)
+        for node_id in swept:
+            self.tree.host_duplicates.pop(node_id, None)
+        return freed
+
+    def _evict_host_leaf(self, node: TreeNode) -> int:
+        freed = len(node.host_value)
+        self.host_alloc.free(node.host_value)
+        self.tree.delete_leaf(node)
+        return freed
 
     # -- slots for copies ----------------------------------------------------------------------------
 
@@ -227,6 +311,99 @@ class HiRadixCache(HiRadixEviction, HiRadixLoadBack, BaseHiCache, RadixCache):
 
     def waits_on_storage(self) -> bool:
         return self.storage is not None and self.storage.busy()
+
+    # -- load back -----------------------------------------------------------------------------------
+
+    def load_back(self, node: TreeNode) -> torch.Tensor | None:
+        """Queue a load of the evicted chain ending at `node`; its device slots, or None if not worth it."""
+        nodes_to_load = []
+        while node.evicted:
+            nodes_to_load.insert(0, node)
+            node = node.parent
+        ancestor, last_hit = node, nodes_to_load[-1]
+        host_indices = torch.cat([n.host_value for n in nodes_to_load])
+        if len(host_indices) < self.cfg.load_back_threshold:
+            return None
+        # Making room may evict, and a write-back eviction may evict from the host: neither may take the chain.
+        self.inc_lock_ref(ancestor)
+        for n in nodes_to_load:
+            self.tree.protect_host(n)
+        make_room(self.device_alloc, len(host_indices), self.evict)
+        device_indices = self.reserve(self.device_alloc, len(host_indices), f"the load back of node {last_hit.id}")
+        for n in nodes_to_load:
+            self.tree.release_host(n)
+        self.dec_lock_ref(ancestor)
+        if device_indices is None:
+            return None
+        self.controller.load(host_indices, device_indices, last_hit.id)
+        offset = 0
+        for n in nodes_to_load:
+            self.tree.set_device(n, device_indices[offset : offset + len(n.host_value)])
+            n.load_pending = last_hit.id
+            offset += len(n.host_value)
+        self.ongoing_load_back[last_hit.id] = last_hit
+        self.inc_lock_ref(last_hit)
+        return device_indices
+
+    def init_load_back(self, last_node: TreeNode) -> tuple[torch.Tensor, TreeNode]:
+        if last_node.evicted:
+            loaded = self.load_back(last_node)
+            if loaded is not None:
+                return loaded, last_node
+            while last_node.evicted:
+                last_node = last_node.parent
+        return self.tree.root.value, last_node
+
+    def lock_match(self, match) -> tuple[torch.Tensor, TreeNode]:
+        if match.host_hit_length == 0:
+            return super().lock_match(match)
+        loaded, last = self.init_load_back(match.last_host_node)
+        self.inc_lock_ref(last)
+        self.dec_lock_ref(match.last_device_node)
+        return torch.cat([match.device_indices, loaded]), last
+
+    def start_loading(self):
+        return self.controller.start_loading()
+
+    # -- prefetch from storage -----------------------------------------------------------------------
+
+    def prefetch_from_storage(self, rid: int, prompt: list[int]) -> None:
+        """Worth it (at least `prefetch_threshold` tokens beyond what the tree holds, below a node with a host
+        copy, as SGLang's `_prefetch_kvcache` asks): the tier starts the fetch; the anchor the pages will hang
+        below keeps its host copy (host-protected, not locked: the device may evict it) until it ends."""
+        if self.storage is None:
+            return
+        key = match_key(prompt, self.cfg.page_size)
+        match = self.match_prefix(key)
+        anchor = match.last_host_node
+        held = len(match.device_indices) + match.host_hit_length
+        if anchor is not self.tree.root and not anchor.backuped:
+            return  # storage is written from the host: nothing below an unbacked node can be there
+        if len(key) - held >= self.cfg.prefetch_threshold and self.storage.prefetch(rid, anchor, key[held:]):
+            self.tree.protect_host(anchor)
+
+    def check_prefetch_progress(self, rid: int) -> int | None:
+        """None while request `rid`'s prefetch must still run (agreed); else the tokens it inserted: the pages
+        every rank holds, as host-only nodes below its anchor (0 without a prefetch)."""
+        if self.storage is None:
+            return 0
+        if not self.storage.prefetch_ready(rid):
+            return None
+        op = self.storage.take_prefetch(rid)
+        return self.prefetch_loaded.pop(rid, 0) if op is None else self.insert_prefetched(op)
+
+    def insert_prefetched(self, op: PrefetchOp) -> int:
+        """An ended prefetch's pages, those every rank counts as arrived, into the tree below its anchor (host
+        slots it does not use freed, the anchor released): its tokens."""
+        n = op.pages * self.cfg.page_size
+        if op.host_slots is not None:
+            inserted = self.tree.insert_host(op.anchor, op.tokens[:n], op.host_slots[:n])
+            unused = torch.ones(len(op.host_slots), dtype=torch.bool)
+            unused[inserted] = False
+            if unused.any():
+                self.host_alloc.free(op.host_slots[unused])
+        self.tree.release_host(op.anchor)
+        return n
 
     # -- flush, time and observation -----------------------------------------------------------------
 
