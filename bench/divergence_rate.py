@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["legacy", "fixed"], help="sync modes to compare")
     args = parser.parse_args()
     base = config_from_args(args)
-    gpus = torch.cuda.device_count() if base.parallel.device == "cuda" else 0
+    gpus = torch.cuda.device_count() if base.device == "cuda" else 0
     machine = f"{gpus}x {torch.cuda.get_device_name()}" if gpus else f"CPU ({platform.machine()})"
     rows = []
     for delay in args.delays_ms:

@@ -136,7 +136,7 @@ def holds_everything(cfg: RunConfig) -> int:
 def run_configs(base: RunConfig) -> dict[str, RunConfig]:
     """The four runs of the same workload (`e2e_bounds.RUNS`): device pool alone, with the host tier (twice: the
     second, `L2 on device`, has `HOST_POOL_ON_DEVICE` bound into it), and large enough for all."""
-    check(base.cache_impl == "lab", "--cache-impl lab: the floor's run (L2 on device) moves the lab's host pool")
+    check(base.lab.cache_impl == "lab", "--cache-impl lab: the floor's run (L2 on device) moves the lab's host pool")
     c = base.cache
     everything = max(c.max_total_tokens, holds_everything(base))
     hierarchical = dataclasses.replace(base, cache=dataclasses.replace(c, enable_hierarchical_cache=True))
@@ -246,15 +246,15 @@ def measure(configs: dict[str, RunConfig], repeats: int, timeline_round: int, wa
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     base = config_from_args(args)
-    m, p = base.model, base.parallel
-    check(p.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
+    m = base.model
+    check(base.parallel.world_size == 1, "one GPU: the copy is timed on one device, so drop --tp, --cp and --pp")
     check(not base.workload.trace_file, "conversations only: the all-on-device pool is sized from their lengths")
     configs = run_configs(base)
     measured = measure(configs, args.repeats, args.timeline_round, args.warmup)
     bytes_per_token = kv_bytes_per_token(m.num_layers, m.num_heads, m.head_dim, torch_dtype(m.dtype))
     waited = [[round(r["waited_tokens"] * bytes_per_token) for r in run["rounds"]["L1 + L2"]] for run in measured]
     sizes = sorted({n for per_round in waited for n in per_round})
-    copy_ms = dict(zip(sizes, time_copies(sizes, p.device, args.copy_repeats), strict=True))
+    copy_ms = dict(zip(sizes, time_copies(sizes, base.device, args.copy_repeats), strict=True))
     repeats = []
     for run_, per_round in zip(measured, waited, strict=True):  # each repeat against its own copies: no mixing
         rows = bounds.round_table(run_["rounds"], [copy_ms[n] for n in per_round], bytes_per_token)
@@ -270,9 +270,9 @@ def main(argv: list[str] | None = None) -> dict:
         for name in ("serial", "overlap"):
             cuts = [r["later_mean"][f"cut_vs_{name}"] for r in repeats]
             print(f"cut / {name} bound of each repeat: " + ", ".join("n/a" if c is None else f"{c:.2f}" for c in cuts))
-    gpu = torch.cuda.get_device_name() if p.device == "cuda" else None
+    gpu = torch.cuda.get_device_name() if base.device == "cuda" else None
     result = {
-        "machine": machine_info(gpu=gpu, device=p.device, dtype=m.dtype),
+        "machine": machine_info(gpu=gpu, device=base.device, dtype=m.dtype),
         "preset": SMOKE if args.smoke else REALISTIC,
         "config": dataclasses.asdict(base),
         "kv_bytes_per_token": bytes_per_token,

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=RESULTS / "gpu_timeline.json", help="where the JSON goes")
     args = parser.parse_args(argv)
     base = config_from_args(args)
-    check(base.parallel.device == "cuda", "--device cuda: the profile is of a GPU's streams")
+    check(base.device == "cuda", "--device cuda: the profile is of a GPU's streams")
     check(0 <= args.round < base.workload.num_rounds, f"--round {args.round}: the workload has no such round")
     configs = e2e_ttft.run_configs(base)
     result = {"machine": machine_info(gpu=torch.cuda.get_device_name(), dtype=base.model.dtype), "round": args.round}

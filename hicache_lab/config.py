@@ -6,8 +6,7 @@ start instead of corrupting a pool later.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import require, require_choice, require_numbers, require_seed
 from .mooncake_trace import trace_lengths
@@ -17,10 +16,10 @@ WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
 LATENCY_MODELS = ("virtual", "real")
 STORAGE_BACKENDS = ("none", "file", "mooncake")
-CACHE_IMPLS = ("lab", "sglang")  # `--cache-impl`: whose cache every rank runs; also sglang==X, an SGLang release
 # Who writes a page to L3 (SGLang: MHA keys carry the global TP rank; rank-replicated KV elects one writer).
 STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")  # of the weights, activations and every KV pool (SGLang serves bf16)
 DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
 # A DMA staging chunk (mem_cache/staging_ring.py): K and V of several runs of 4 MiB or more, so that few runs are
@@ -77,7 +76,6 @@ class CacheConfig:
     latency: str = "virtual"
     max_copy_delay_steps: int = 3  # virtual latency: completion drawn from [0, this] steps after issue
     injected_delay_ms: float = 0.0  # real latency: mean of an extra per-copy delay, same distribution on all ranks
-    skip_load_wait: bool = False  # fault injection: forward reads loaded KV without waiting (the oracle must fail)
     copy_checksum: bool = False  # every host copy's destination is checked against its source's sha256 when consumed
     dma_chunk_mib: int = DMA_CHUNK_MIB  # CUDA, page_first: a chunk of the ring a backup by DMA stages through
     storage_backend: str = "none"  # L3
@@ -166,6 +164,29 @@ class CacheConfig:
 
 
 @dataclass(slots=True)
+class SchedulerConfig:
+    """What one rank's scheduler admits at once (SGLang's scheduler flags)."""
+
+    max_running_requests: int = 16  # requests past admission at once
+    chunked_prefill_size: int = 4096  # SGLang's default where it knows no GPU memory; -1: no chunked prefill
+    max_prefill_tokens: int = 16384  # SGLang's default
+
+    def __post_init__(self) -> None:
+        require_numbers(self)
+        for name in ("max_running_requests", "max_prefill_tokens"):
+            require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
+        require(
+            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
+            f"--chunked-prefill-size {self.chunked_prefill_size}: give a token count, or -1 to turn chunking off",
+        )
+
+    @property
+    def chunk_size(self) -> int | None:
+        """`--chunked-prefill-size` as the scheduler takes it: None for no chunking."""
+        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
+
+
+@dataclass(slots=True)
 class WorkloadConfig:
     """Multi-turn conversations shaped like SGLang's bench_multiturn."""
 
@@ -174,9 +195,6 @@ class WorkloadConfig:
     request_length: int = 256
     sub_question_input_length: int = 32
     output_length: int = 16
-    max_running_requests: int = 16  # requests past admission at once
-    chunked_prefill_size: int = 4096  # SGLang's default where it knows no GPU memory; -1: no chunked prefill
-    max_prefill_tokens: int = 16384  # SGLang's default
     round_barrier: bool = True
     ignore_eos: bool = True  # answers run to --output-length and admission knows it (bench_multiturn's ignore_eos)
     seed: int = 0
@@ -186,19 +204,8 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         require_numbers(self)
         require_seed(self.seed, "--seed")
-        for name in (
-            "num_clients",
-            "num_rounds",
-            "request_length",
-            "output_length",
-            "max_running_requests",
-            "max_prefill_tokens",
-        ):
+        for name in ("num_clients", "num_rounds", "request_length", "output_length"):
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
-        require(
-            self.chunked_prefill_size == -1 or self.chunked_prefill_size >= 1,
-            f"--chunked-prefill-size {self.chunked_prefill_size}: give a token count, or -1 to turn chunking off",
-        )
         require(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
         require(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
         if self.trace_file:
@@ -209,11 +216,6 @@ class WorkloadConfig:
         """(line, tokens of KV) of every request of the trace."""
         return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
 
-    @property
-    def chunk_size(self) -> int | None:
-        """`--chunked-prefill-size` as the scheduler takes it: None for no chunking."""
-        return None if self.chunked_prefill_size == -1 else self.chunked_prefill_size
-
     def longest_sequence(self) -> int:
         """Tokens of KV held by the longest request: with conversations, the last round's prompt plus output."""
         if self.trace_file:
@@ -222,21 +224,58 @@ class WorkloadConfig:
         return self.request_length + (self.num_rounds - 1) * per_round + self.output_length
 
 
+# The words of the lab's fields, which their binders parse and check before any rank starts.
+# `--fault KIND:RANK@N`: what each kind does (lab/check/faults.py binds them; the `--fault` help is made of these).
+FAULT_KINDS = {
+    "kill-rank": "kill-rank:R@N (rank R dies at step N)",
+    "slow-rank": "slow-rank:R@MS (rank R sleeps MS ms as each iteration begins: a slower stage)",
+    "tear-copy": "tear-copy:R@N (rank R's Nth host write, from 0, leaves out its first layer)",
+    "misplace-copy": "misplace-copy:R@N (rank R's Nth host write lands every token one slot over)",
+    "alloc-fail": (
+        "alloc-fail:R@N (rank R's Nth slot allocation for a copy fails, as a full pool would: a write to the host, "
+        "a load back, a prefetch's host slots)"
+    ),
+    "damage-page": "damage-page:R@N (the Nth page rank R reads from the file store is damaged on disk first: a miss)",
+}
+# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (lab/teach/sync_impl.py binds it).
+SYNC_IMPL_SLOTS = ("pp_sync", "writing_check", "attn_groups")
+
+
+@dataclass(slots=True)
+class LabConfig:
+    """What only lab tooling serves: the core never reads this section. Each field is served by a binder
+    (entrypoints/binders.py), which checks its grammar before any rank starts; a field set with no binder to
+    serve it is refused (`refuse_unserved`). `flag` in each field's metadata is its command-line spelling."""
+
+    cache_impl: str = field(default="lab", metadata={"flag": "--cache-impl"})  # lab, sglang, or sglang==X
+    sync_impls: tuple[str, ...] = field(default=(), metadata={"flag": "--sync-impl"})  # SLOT=MODULE:FUNCTION
+    fault: str = field(default="", metadata={"flag": "--fault"})  # KIND:RANK@N (lab/check/faults.py)
+    skip_load_wait: bool = field(default=False, metadata={"flag": "--skip-load-wait"})
+    record_cache_ops: bool = field(default=False, metadata={"flag": "--record-cache-ops"})  # for `conform`
+    dp_attention: bool = field(default=False, metadata={"flag": "--enable-dp-attention"})  # SGLang's cache only
+
+
 @dataclass(slots=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
+    device: str = "cpu"
     check_outputs: bool = False
-    record_cache_ops: bool = False  # write rank{R}.cache_ops.jsonl (lab/sglang/recording.py) for `conform`
-    cache_impl: str = "lab"  # every rank's cache: the lab's, sglang 0.5.23's own, or release X's (sglang==X)
 
     def __post_init__(self) -> None:
-        require(
-            self.cache_impl in CACHE_IMPLS or bool(re.fullmatch(r"sglang==\d+\.\d+\.\d+", self.cache_impl)),
-            f"unknown --cache-impl {self.cache_impl!r}: use lab, sglang, or sglang==X for an SGLang release",
-        )
+        require_choice(self.device, DEVICES, "--device")
+        self._check_fits()
+
+    def with_lab(self, **changes) -> RunConfig:
+        """This configuration with these `LabConfig` fields changed, e.g. `cfg.with_lab(cache_impl="sglang")`."""
+        return replace(self, lab=replace(self.lab, **changes))
+
+    def _check_fits(self) -> None:
+        """The sections against each other: the workload fits the pools, the layers the stages, and so on."""
         longest, w = self.workload.longest_sequence(), self.workload
         if w.trace_file:  # name the longest line, before a rank draws its tokens
             number, tokens = max(w._trace_lengths(), key=lambda line: line[1])
@@ -260,18 +299,15 @@ class RunConfig:
             not partition or sum(partition) == self.model.num_layers,
             f"--pp-layer-partition {','.join(map(str, partition))} must add up to --num-layers {self.model.num_layers}",
         )
+        chunk = self.scheduler.chunked_prefill_size
         require(
-            w.chunked_prefill_size == -1 or w.chunked_prefill_size >= self.cache.page_size,
-            f"--chunked-prefill-size {w.chunked_prefill_size} is smaller than a page (--page-size "
+            chunk == -1 or chunk >= self.cache.page_size,
+            f"--chunked-prefill-size {chunk} is smaller than a page (--page-size "
             f"{self.cache.page_size}): a chunk ends at a page boundary, so it must hold a page; raise it, or -1",
         )
         require(
             w.round_barrier or not self.cache.flush_between_rounds,
             "--flush-cache-between-rounds flushes at the barrier between rounds: drop --no-round-barrier, or the flush",
-        )
-        require(
-            not self.parallel.fault.startswith("damage-page") or self.cache.storage_backend == "file",
-            "--fault damage-page damages a page file: add --hicache-storage-backend file",
         )
         most_ms = self.parallel.collective_timeout_s * 1e3 / DELAY_TIMEOUT_RATIO
         require(

@@ -1,5 +1,5 @@
 """The world's layout and how its ranks agree: `ParallelConfig`, validated on construction (a `ConfigError`
-names the flag to change), and its lists of choices (sync modes and fixes, faults, `--sync-impl` slots)."""
+names the flag to change), and its lists of choices (sync modes and fixes)."""
 
 from __future__ import annotations
 
@@ -31,17 +31,6 @@ PROPOSALS = {
 }
 # Fixes `legacy` keeps (none: the code it stands for, SGLang 0.5.10 with DP attention, has none of them).
 LEGACY_FIXES: tuple[str, ...] = ()
-FAULTS = (
-    "kill-rank",
-    "slow-rank",
-    "tear-copy",
-    "misplace-copy",
-    "alloc-fail",
-    "damage-page",
-)  # --fault KIND:RANK@N (lab/check/faults.py)
-# What `--sync-impl SLOT=MODULE:FUNCTION` may replace with your own function (lab/teach/sync_impl.py binds it).
-SYNC_IMPL_SLOTS = ("pp_sync", "writing_check", "attn_groups")
-DEVICES = ("cpu", "cuda")
 MAX_COLLECTIVE_TIMEOUT_S = 86_400  # a bound, not a wish: no rank waits longer than this for a peer
 MAX_ASYNC_BATCH_DEPTH = 64  # micro-batch slots beyond --pp; each one costs every stage a loop turn per step
 
@@ -54,26 +43,18 @@ class ParallelConfig:
     cp: int = 1
     pp: int = 1
     sync: str = "fixed"
-    device: str = "cpu"
     collective_timeout_s: float = 60.0
     consensus_check: int = 0  # every K steps, all ranks check they agree (0: never); fails fast on the first gap
     enable_fixes: tuple[str, ...] = ()  # added to what --sync implies
     disable_fixes: tuple[str, ...] = ()  # removed from what --sync implies
     pp_layer_partition: tuple[int, ...] = ()  # layers per stage (SGLang's SGLANG_PP_LAYER_PARTITION); () = even
     pp_async_batch_depth: int = 0  # micro-batch slots beyond pp (SGLang's --pp-async-batch-depth)
-    # KIND:RANK@N: kill-rank (rank R dies at step N), tear-copy / misplace-copy (its Nth host write), alloc-fail
-    # (its Nth slot allocation for a copy: a write to the host, a load back, a prefetch's host slots), damage-page
-    # (the Nth page it reads from the file store is damaged on disk first)
-    fault: str = ""
-    sync_impls: tuple[str, ...] = ()  # SLOT=MODULE:FUNCTION: your own _pp_sync, writing_check, _attn_groups
-    dp_attention: bool = False  # SGLang's cache is given the attention-TP group as its TP group (lab/sglang/world.py)
 
     def __post_init__(self) -> None:
         require_numbers(self)
         for name in ("tp", "cp", "pp"):
             require(getattr(self, name) >= 1, f"--{name} must be at least 1")
         require_choice(self.sync, SYNC_MODES, "--sync")
-        require_choice(self.device, DEVICES, "--device")
         require(self.collective_timeout_s > 0, "--collective-timeout must be > 0 seconds")
         require(
             self.collective_timeout_s <= MAX_COLLECTIVE_TIMEOUT_S,
@@ -92,45 +73,12 @@ class ParallelConfig:
         require(self.sync != "off" or not self.enable_fixes, "--sync off agrees on nothing: drop --enable-fix")
         both = sorted(set(self.enable_fixes) & set(self.disable_fixes))
         require(not both, f"--enable-fix and --disable-fix {', '.join(both)}: both at once; keep the one you mean")
-        for spec in self.sync_impls:
-            slot, _, target = spec.partition("=")
-            module, _, function = target.rpartition(":")  # a path may hold a colon, a function name never
-            require(
-                bool(module and function),
-                f"--sync-impl {spec!r}: write SLOT=MODULE:FUNCTION, e.g. pp_sync=my_sync:pp_sync",
-            )
-            require_choice(slot, SYNC_IMPL_SLOTS, "--sync-impl slot")
-        slots = [spec.partition("=")[0] for spec in self.sync_impls]
-        require(len(set(slots)) == len(slots), f"--sync-impl names a slot twice ({', '.join(slots)}): keep one each")
         require(
             not self.pp_layer_partition or len(self.pp_layer_partition) == self.pp,
             f"--pp-layer-partition {','.join(map(str, self.pp_layer_partition))} needs one layer count per stage "
             f"(--pp {self.pp})",
         )
         require(all(n >= 1 for n in self.pp_layer_partition), "--pp-layer-partition: every stage needs a layer")
-        if self.fault:
-            kind, rank, n = self.fault_spec
-            require(rank < self.world_size, f"--fault {self.fault}: rank {rank} is not in a world of {self.world_size}")
-            require(
-                kind != "slow-rank" or n < 250 * self.collective_timeout_s,
-                f"--fault {self.fault}: a sleep of {n} ms every iteration makes its peers wait past a quarter of "
-                f"--collective-timeout {self.collective_timeout_s:g}: give fewer ms or a longer timeout",
-            )
-            require(
-                not self.fault.startswith("kill-rank") or self.world_size > 1,
-                "--fault kill-rank needs a world of 2 or more ranks (a single rank runs in the launching process)",
-            )
-
-    @property
-    def fault_spec(self) -> tuple[str, int, int]:
-        """(kind, rank, n) of --fault KIND:RANK@N."""
-        kind, _, where = self.fault.partition(":")
-        rank, _, at = where.partition("@")
-        require(
-            kind in FAULTS and rank.isdigit() and at.isdigit(),
-            f"--fault {self.fault!r}: write KIND:RANK@N with KIND one of {', '.join(FAULTS)}, e.g. kill-rank:1@20",
-        )
-        return kind, int(rank), int(at)
 
     @property
     def fixes(self) -> frozenset[str]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hicache_lab.config import CacheConfig, RunConfig
+from hicache_lab.config import CacheConfig, LabConfig, RunConfig
 from hicache_lab.distributed.cache_sync import CacheSync
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
 from hicache_lab.lab.presets import WORKLOAD, WORLD, config
@@ -23,10 +23,17 @@ from hicache_lab.parallel_config import ParallelConfig
 torch.set_num_threads(1)  # as a rank does: tiny tensors, shared cores
 
 
+def _with(cfg: RunConfig, section: str, changes: dict) -> RunConfig:
+    """`cfg` with `changes`: LabConfig's fields to `lab`, the others to `section`."""
+    lab = {name: changes.pop(name) for name in list(changes) if name in LabConfig.__dataclass_fields__}
+    cfg = cfg.with_lab(**lab)
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **changes)})
+
+
 def make_small_config(check_outputs: bool = True, **cache_overrides) -> RunConfig:
-    """One rank, 2 layers, the small workload; CacheConfig fields by name on top."""
+    """One rank, 2 layers, the small workload; CacheConfig (or LabConfig) fields by name on top."""
     cfg = config(WORKLOAD, "--num-layers 2 --collective-timeout 30", "--check-outputs" if check_outputs else "")
-    return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache_overrides))
+    return _with(cfg, "cache", cache_overrides)
 
 
 @pytest.fixture(scope="session")
@@ -37,9 +44,9 @@ def small_config():
 
 def make_world_config(tp=1, cp=1, pp=1, sync="fixed", **parallel_overrides) -> RunConfig:
     """The small world on several ranks: 3 layers (so stages hold different layer counts), host tier, oracle;
-    ParallelConfig fields by name on top."""
+    ParallelConfig (or LabConfig) fields by name on top."""
     cfg = config(WORLD, f"--tp {tp} --cp {cp} --pp {pp} --sync {sync} --collective-timeout 20")
-    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel_overrides))
+    return _with(cfg, "parallel", parallel_overrides)
 
 
 @pytest.fixture(scope="session")
@@ -68,7 +75,7 @@ def file_cache(groups, tmp_path):
 
     def make(**fields):
         cfg = CacheConfig(enable_hierarchical_cache=True, storage_backend="file", **fields)
-        sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+        sync = CacheSync(groups, ParallelConfig(), storage=True)
         return build_cache(cfg, KVShape(1, 1, 2), sync, backend=FileStorage(tmp_path, "test"))[1]
 
     return make

@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConsensusError
+from ..parallel_config import ParallelConfig
 from .parallel_state import Groups, RankLayout, get_attn_cp_rank_and_size, group_rank_and_size
 
 MIN = dist.ReduceOp.MIN
@@ -84,10 +85,11 @@ def prefetch_group_rank_sets(layout: RankLayout, fixes: frozenset[str]) -> tuple
 
 
 class CacheSync:
-    def __init__(self, mode: str, groups: Groups, fixes: frozenset[str], storage: bool = False):
-        self.mode, self.groups, self.fixes = mode, groups, fixes
+    def __init__(self, groups: Groups, parallel: ParallelConfig, storage: bool = False):
+        """The agreement of `parallel.sync` with its `fixes`, over `groups`; `storage`: with an L3 tier's groups."""
+        self.mode, self.groups, self.fixes = parallel.sync, groups, parallel.fixes
         self.pp_rank, self.pp_size = group_rank_and_size(groups.pp_cache_group)
-        self.relay_stages = self.pp_size if "multi_hop_relay" in fixes else min(self.pp_size, 2)
+        self.relay_stages = self.pp_size if "multi_hop_relay" in self.fixes else min(self.pp_size, 2)
         self.work_list: list[dist.Work] = []  # outstanding relay sends, drained at every step's check
         self.prefetch_sync_groups: list = []  # used by the prefetch worker only
         self.prefetch_progress_groups: list = []  # used by the scheduler only

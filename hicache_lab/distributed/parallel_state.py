@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig
 from ..parallel_config import ParallelConfig
 
 
@@ -80,14 +81,15 @@ def local_device(rank: int) -> int:
     return (int(local) if local.isdigit() else rank) % torch.cuda.device_count()
 
 
-def placement_words(cfg: ParallelConfig) -> str | None:
+def placement_words(cfg: RunConfig) -> str | None:
     """Where a world launched on this host runs its ranks and how its compute groups talk, in words (None on
     CPU): said as it starts."""
+    p = cfg.parallel
     if cfg.device != "cuda":
         return None
     gpus = torch.cuda.device_count()
-    places = [("", local_device(rank)) for rank in range(cfg.world_size)]
-    layout = RankLayout(cfg.tp, cfg.cp, cfg.pp, 0)
+    places = [("", local_device(rank)) for rank in range(p.world_size)]
+    layout = RankLayout(p.tp, p.cp, p.pp, 0)
     used = {
         kind: sorted({compute_backend(ranks, places, cfg.device) for ranks in rank_lists})
         for kind, rank_lists in layout.group_rank_lists().items()
@@ -99,7 +101,7 @@ def placement_words(cfg: ParallelConfig) -> str | None:
         if any("gloo" in b for b in used.values())
         else ""
     )
-    return f"{cfg.world_size} rank(s) on {gpus} GPU(s), round-robin: {said}{staged}"
+    return f"{p.world_size} rank(s) on {gpus} GPU(s), round-robin: {said}{staged}"
 
 
 def compute_backend(ranks: list[int], places: list | None, device: str) -> str:
@@ -113,9 +115,10 @@ def compute_backend(ranks: list[int], places: list | None, device: str) -> str:
     return "nccl" if len(set(at)) == len(at) else "gloo"
 
 
-def build_groups(layout: RankLayout, cfg: ParallelConfig, places: list | None = None) -> Groups:
+def build_groups(layout: RankLayout, cfg: ParallelConfig, device: str = "cpu", places: list | None = None) -> Groups:
     """Create every group (collectively: all ranks call this in the same order). `places`: every rank's (host,
-    GPU), which chooses each compute group's backend (`compute_backend`; None: every rank on a GPU of its own)."""
+    GPU), which chooses each compute group's backend on `device` (`compute_backend`; None: every rank on a GPU of
+    its own)."""
     timeout = datetime.timedelta(seconds=cfg.collective_timeout_s)
     mine: dict[str, object] = {}
     backends: dict[str, str] = {}
@@ -123,7 +126,7 @@ def build_groups(layout: RankLayout, cfg: ParallelConfig, places: list | None = 
         for ranks in rank_lists:
             flavours = [("gloo", kind)]
             if kind in ("attn_tp", "attn_cp", "pp"):
-                flavours.append((compute_backend(ranks, places, cfg.device), f"{kind}_compute"))
+                flavours.append((compute_backend(ranks, places, device), f"{kind}_compute"))
             if kind == "pp":
                 flavours.append(("gloo", "pp_control"))
             for backend, name in flavours:

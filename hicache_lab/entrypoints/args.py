@@ -12,17 +12,21 @@ import operator
 
 from ..config import (
     DTYPES,
+    FAULT_KINDS,
     HOST_LAYOUTS,
     LATENCY_MODELS,
     PREFETCH_POLICIES,
     STORAGE_BACKENDS,
+    SYNC_IMPL_SLOTS,
     WRITE_POLICIES,
     CacheConfig,
+    LabConfig,
     ModelConfig,
     RunConfig,
+    SchedulerConfig,
     WorkloadConfig,
 )
-from ..parallel_config import PROPOSALS, SYNC_FIXES, SYNC_IMPL_SLOTS, SYNC_MODES, ParallelConfig
+from ..parallel_config import PROPOSALS, SYNC_FIXES, SYNC_MODES, ParallelConfig
 
 
 def finite_float(text: str) -> float:
@@ -69,31 +73,13 @@ FLAGS = [
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
     ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),
     ("--hicache-ratio", "cache", "hicache_ratio", finite_float, "host pool size as a multiple of the device pool"),
-    (
-        "--hicache-size",
-        "cache",
-        "hicache_size_gb",
-        finite_float,
-        "host pool size in GB (overrides the ratio when > 0)",
-    ),
+    ("--hicache-size", "cache", "hicache_size_gb", finite_float, "host pool size in GB (overrides the ratio when > 0)"),
     ("--hicache-write-policy", "cache", "write_policy", str, f"one of {', '.join(WRITE_POLICIES)}"),
     ("--hicache-mem-layout", "cache", "host_layout", str, f"host pool layout: {', '.join(HOST_LAYOUTS)}"),
     ("--hicache-dma-chunk-mib", "cache", "dma_chunk_mib", int, "CUDA: a chunk of the DMA backups' staging ring (of 4)"),
-    (
-        "--load-back-threshold",
-        "cache",
-        "load_back_threshold",
-        int,
-        "smallest host hit (tokens) worth loading",
-    ),
+    ("--load-back-threshold", "cache", "load_back_threshold", int, "smallest host hit (tokens) worth loading"),
     ("--latency", "cache", "latency", str, f"copy latency model: {', '.join(LATENCY_MODELS)}"),
-    (
-        "--max-copy-delay-steps",
-        "cache",
-        "max_copy_delay_steps",
-        int,
-        "virtual: copies finish 0..N steps late",
-    ),
+    ("--max-copy-delay-steps", "cache", "max_copy_delay_steps", int, "virtual: copies finish 0..N steps late"),
     (
         "--injected-delay-ms",
         "cache",
@@ -140,23 +126,17 @@ FLAGS = [
     ("--num-clients", "workload", "num_clients", int, "concurrent conversations"),
     ("--num-rounds", "workload", "num_rounds", int, "turns per conversation"),
     ("--request-length", "workload", "request_length", int, "tokens of each conversation's first prompt"),
-    (
-        "--sub-question-input-length",
-        "workload",
-        "sub_question_input_length",
-        int,
-        "new tokens per later turn",
-    ),
+    ("--sub-question-input-length", "workload", "sub_question_input_length", int, "new tokens per later turn"),
     ("--output-length", "workload", "output_length", int, "tokens generated per turn"),
-    ("--max-running-requests", "workload", "max_running_requests", int, "requests running at once"),
+    ("--max-running-requests", "scheduler", "max_running_requests", int, "requests running at once"),
     (
         "--chunked-prefill-size",
-        "workload",
+        "scheduler",
         "chunked_prefill_size",
         int,
         "tokens of a prefill batch before the request crossing it runs in chunks (-1: never chunk)",
     ),
-    ("--max-prefill-tokens", "workload", "max_prefill_tokens", int, "tokens of a prefill batch (without chunking)"),
+    ("--max-prefill-tokens", "scheduler", "max_prefill_tokens", int, "tokens of a prefill batch (without chunking)"),
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
     ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see mooncake_trace.py)"),
     ("--trace-block-tokens", "workload", "trace_block_tokens", int, "lab tokens per trace hash id (Mooncake: 512)"),
@@ -166,21 +146,17 @@ FLAGS = [
     ("--sync", "parallel", "sync", str, f"cross-rank agreement: {', '.join(SYNC_MODES)}"),
     ("--pp-async-batch-depth", "parallel", "pp_async_batch_depth", int, "micro-batches beyond --pp (SGLang's)"),
     ("--consensus-check", "parallel", "consensus_check", int, "every K steps all ranks compare state (0: off)"),
-    ("--device", "parallel", "device", str, "cpu (gloo) or cuda (NCCL, CUDA streams)"),
     ("--collective-timeout", "parallel", "collective_timeout_s", finite_float, "seconds before a collective fails"),
 ]
 SECTIONS = {
     "model": ModelConfig,
     "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
     "workload": WorkloadConfig,
     "parallel": ParallelConfig,
+    "lab": LabConfig,
 }
-FAULT_HELP = (
-    "inject a fault: kill-rank:R@N (rank R dies at step N), tear-copy:R@N or misplace-copy:R@N (rank R's Nth host "
-    "write, from 0, is torn or lands in the wrong slots), alloc-fail:R@N (rank R's Nth slot allocation for a copy "
-    "fails, as a full pool would: a write to the host, a load back, a prefetch's host slots), damage-page:R@N (the "
-    "Nth page rank R reads from the file store is damaged on disk first: a miss)"
-)
+FAULT_HELP = "inject a fault: " + ", ".join(FAULT_KINDS.values())
 IGNORE_EOS_HELP = (
     "admit as if answers might stop early (bench_serving's flag): a running request's remaining answer is "
     "reserved times new_token_ratio, not in full; answers still run to the end (retractions)"
@@ -195,16 +171,17 @@ SWITCHES = [
     ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
     ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
-    ("--enable-dp-attention", "parallel.dp_attention", bool, _switch(DP_ATTENTION_HELP)),
+    ("--device", "device", str, {"default": "cpu", "help": "cpu (gloo) or cuda (NCCL, CUDA streams) (default: cpu)"}),
+    ("--enable-dp-attention", "lab.dp_attention", bool, _switch(DP_ATTENTION_HELP)),
     (
         "--record-cache-ops",
-        "record_cache_ops",
+        "lab.record_cache_ops",
         bool,
         _switch("write every cache operation and its answer to DIR/rank{R}.cache_ops.jsonl, for `conform DIR`"),
     ),
     (
         "--cache-impl",
-        "cache_impl",
+        "lab.cache_impl",
         str,
         {
             "default": "lab",
@@ -213,8 +190,8 @@ SWITCHES = [
             "release X's own, sglang==0.5.12 say (`make releases` installs them)",
         },
     ),
-    ("--skip-load-wait", "cache.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),
-    ("--fault", "parallel.fault", str, {"default": "", "metavar": "KIND:RANK@N", "help": FAULT_HELP}),
+    ("--skip-load-wait", "lab.skip_load_wait", bool, _switch("fault: read loaded KV without waiting")),
+    ("--fault", "lab.fault", str, {"default": "", "metavar": "KIND:RANK@N", "help": FAULT_HELP}),
     (
         "--copy-checksum",
         "cache.copy_checksum",
@@ -257,7 +234,7 @@ SWITCHES = [
     ),
     (
         "--sync-impl",
-        "parallel.sync_impls",
+        "lab.sync_impls",
         tuple,
         {
             "action": "append",

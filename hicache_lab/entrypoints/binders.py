@@ -1,14 +1,14 @@
 """The seam through which tooling outside the core attaches to a run, so that no lab code lives below `lab/`.
 
-A binder serves some of `RunConfig`'s fields (`fields`, dotted: `"parallel.fault"`). The lab's binders
-(`lab/binders.py`: faults, `--sync-impl`, the cache-op recorder) come with `python -m hicache_lab run`; a
-benchmark brings its own (bench/step_timer.py). A run that sets a lab field no binder serves is refused before
-any rank starts (`refuse_unserved`): a lab flag never silently does nothing.
+A binder serves some of the lab's fields (`fields`: names of `LabConfig`, the section the core never reads).
+The lab's binders (`lab/binders.py`: faults, `--sync-impl`, the cache-op recorder) come with
+`python -m hicache_lab run`; a benchmark brings its own (bench/step_timer.py). A run that sets a lab field no
+binder serves is refused before any rank starts (`refuse_unserved`): a lab flag never silently does nothing.
 
 What a binder does, in order:
 
-* `check(cfg)` - in the launcher, before any rank starts: what only it can check (a `--sync-impl` that does
-  not import);
+* `check(cfg)` - in the launcher, before any rank starts: its fields' grammar, and what only it can
+  check (a `--sync-impl` that does not import);
 * `build_cache(cfg, sync, kv, storage_dir)` - in each rank, before the core builds its cache: another cache
   and the device pool it manages (`--cache-impl sglang`: SGLang's own), or None (the core builds the lab's);
 * `wrap_cache(cfg, cache, out_dir, rank)` - in each rank: what the scheduler asks instead of the cache (a
@@ -30,21 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import RunConfig
+from ..config import LabConfig, RunConfig
 from ..distributed.cache_sync import CacheSync
 from ..errors import ConfigError
 from ..managers.scheduler_pp import StageLoop
 from ..mem_cache.base import BasePrefixCache
 from ..mem_cache.build import KVShape
-from .args import FIELD_FLAGS
-
-LAB_FIELDS = (  # lab only
-    "parallel.fault",
-    "cache.skip_load_wait",
-    "parallel.sync_impls",
-    "record_cache_ops",
-    "cache_impl",
-)
 
 
 @dataclass
@@ -81,18 +72,6 @@ class Binder:
         return False
 
 
-def _value(cfg: RunConfig, dotted: str):
-    owner, _, name = dotted.rpartition(".")
-    return getattr(getattr(cfg, owner) if owner else cfg, name)
-
-
-def _default(cfg: RunConfig, dotted: str):
-    owner, _, name = dotted.rpartition(".")
-    fields = {f.name: f for f in dataclasses.fields(type(getattr(cfg, owner)) if owner else RunConfig)}
-    field = fields[name]
-    return field.default_factory() if field.default is dataclasses.MISSING else field.default
-
-
 def _as_flags(flag: str, value) -> str:
     """How `value` of `flag`'s field is written on a command line."""
     if isinstance(value, bool):
@@ -102,11 +81,11 @@ def _as_flags(flag: str, value) -> str:
 
 def refuse_unserved(cfg: RunConfig, binders: tuple[Binder, ...]) -> None:
     """ConfigError for each lab field `cfg` sets that none of `binders` serves."""
-    served = {f for b in binders for f in b.fields}
+    served, default = {f for b in binders for f in b.fields}, LabConfig()
     unserved = [
-        _as_flags(FIELD_FLAGS[field], _value(cfg, field))
-        for field in LAB_FIELDS
-        if field not in served and _value(cfg, field) != _default(cfg, field)
+        _as_flags(field.metadata["flag"], getattr(cfg.lab, field.name))
+        for field in dataclasses.fields(LabConfig)
+        if field.name not in served and getattr(cfg.lab, field.name) != getattr(default, field.name)
     ]
     if unserved:
         raise ConfigError(

@@ -240,7 +240,7 @@ def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binde
     preflight(cfg, out_dir)
     for flag in idle_flags(cfg) if verbose else ():  # said at the start, and in the summary (report.summarize)
         print(f"warning: {flag}", file=sys.stderr)
-    if verbose and (where := placement_words(cfg.parallel)):
+    if verbose and (where := placement_words(cfg)):
         print(f"placement: {where}")
     with contextlib.ExitStack() as stack:
         out = Path(out_dir) if out_dir is not None else Path(stack.enter_context(tempfile.TemporaryDirectory()))

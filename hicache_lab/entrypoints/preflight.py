@@ -47,8 +47,8 @@ def check_listens(address: str) -> None:
 
 def preflight(cfg: RunConfig, out_dir: Path | None) -> None:
     """What the config alone cannot check, checked before any rank starts (ConfigError names the flag)."""
-    c, p = cfg.cache, cfg.parallel
-    if p.device == "cuda" and not torch.cuda.is_available():
+    c = cfg.cache
+    if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: this machine has no CUDA device: use --device cpu")
     if c.storage_backend == "mooncake" and (why := mooncake_missing()):
         raise ConfigError(f"--hicache-storage-backend mooncake: {why}; or use --hicache-storage-backend file")
@@ -84,7 +84,7 @@ def check_memory(cfg: RunConfig) -> None:
     here = int(local) / p.world_size if local.isdigit() and 0 < int(local) < p.world_size else 1  # torchrun's share
     machine = {"memory": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
     share = {"memory": here}  # of the world's need, what this machine (one GPU of it) holds
-    if p.device == "cuda":  # pools, weights and activations there, on the GPU its rank shares; the rest in memory
+    if cfg.device == "cuda":  # pools, weights and activations there, on the GPU its rank shares; the rest in memory
         gpus, ranks = torch.cuda.device_count(), round(p.world_size * here)
         machine["GPU memory"] = min(torch.cuda.get_device_properties(i).total_memory for i in range(gpus))
         share["GPU memory"] = -(-ranks // gpus) / p.world_size  # the busiest GPU's ranks (round-robin)
@@ -92,7 +92,7 @@ def check_memory(cfg: RunConfig) -> None:
         needed = sorted(
             (n * share[kind], what, flags)
             for what, (n, flags, on_device) in memory_needed(cfg).items()
-            if kind == ("GPU memory" if on_device and p.device == "cuda" else "memory")
+            if kind == ("GPU memory" if on_device and cfg.device == "cuda" else "memory")
         )
         if (total := sum(n for n, _, _ in needed)) > have:
             n, what, flags = needed[-1]
@@ -174,7 +174,7 @@ IDLE_UNLESS = (  # (fields, whether they can act, why they cannot: what follows 
      "without --device cuda, --enable-hierarchical-cache and --hicache-mem-layout page_first"),
     (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "without --trace-file"),
     (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "without --pp 2 or more"),
-    (("parallel.dp_attention",), lambda c: c.cache_impl != "lab",
+    (("lab.dp_attention",), lambda c: c.lab.cache_impl != "lab",
      "with the lab's cache (it chooses the TP group SGLang's scheduler gives SGLang's cache: --cache-impl sglang*)"),
     (("parallel.sync", "parallel.enable_fixes", "parallel.disable_fixes", "parallel.consensus_check"),
      lambda c: c.parallel.world_size > 1, "without two ranks or more (one rank has no one to agree with)"),
@@ -225,7 +225,7 @@ def steps_bound(cfg: RunConfig) -> int | None:
     else:
         lengths = [w.longest_sequence()] * (w.num_clients * w.num_rounds)
         outputs = [w.output_length] * len(lengths)
-    chunk = w.chunk_size or max(lengths)
+    chunk = cfg.scheduler.chunk_size or max(lengths)
     waits = 2 * c.max_copy_delay_steps + c.prefetch_timeout_steps + p.micro_batches
     busy = sum((-(-n // chunk) + out) * p.micro_batches + waits for n, out in zip(lengths, outputs, strict=True))
     return 2 * (busy + w.num_rounds * waits)
@@ -234,7 +234,7 @@ def steps_bound(cfg: RunConfig) -> int | None:
 def uses_staging_ring(cfg: RunConfig) -> bool:
     """Whether a rank's host pool may back up by DMA, staging through its ring on the GPU (staging_ring.py)."""
     c = cfg.cache
-    return cfg.parallel.device == "cuda" and c.enable_hierarchical_cache and c.host_layout == "page_first"
+    return cfg.device == "cuda" and c.enable_hierarchical_cache and c.host_layout == "page_first"
 
 
 def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
@@ -255,7 +255,7 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     weights += stage * (4 * v * d + item * (v * d + m.num_layers * layer)) if cfg.check_outputs else 0  # the oracle's
     lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
     requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
-    longest, chunk = max(lengths), min(w.chunk_size or max(lengths), max(lengths))
+    longest, chunk = max(lengths), min(cfg.scheduler.chunk_size or max(lengths), max(lengths))
     token_bytes = 8 if v <= 256 else 36  # a list entry, and past the small-int cache an int object
     logits, tokens = stage * requests * w.output_length * v * 4, stage * 2 * requests * longest * token_bytes
     host_flag = "--hicache-size" if c.hicache_size_gb > 0 else "--hicache-ratio (x --max-total-tokens) or --num-layers"

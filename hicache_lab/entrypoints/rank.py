@@ -90,15 +90,15 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
     cp_size = get_attn_cp_rank_and_size(groups)[1]
     model = TinyModel(
         m,
-        p.device,
+        cfg.device,
         layers,
         tp_rank=layout.tp_rank,
         tp_size=layout.tp,
         attn_tp_group=groups.attn_tp_compute,
         attn_cp_group=groups.attn_cp_compute if cp_size > 1 else None,
     )
-    sync = CacheSync(p.sync, groups, p.fixes, storage=c.storage_backend != "none")
-    kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, p.device, model.dtype)
+    sync = CacheSync(groups, p, storage=c.storage_backend != "none")
+    kv = KVShape(len(layers), m.num_heads // layout.tp, m.head_dim, cfg.device, model.dtype)
     storage_dir = Path(c.storage_dir or out_dir / "storage")
     built = next(filter(None, (binder.build_cache(cfg, sync, kv, storage_dir) for binder in binders)), None)
     backend = None
@@ -110,8 +110,8 @@ def build_rank(cfg: RunConfig, groups: Groups, out_dir: Path, binders: tuple[Bin
     asked = cache
     for binder in binders:
         asked = binder.wrap_cache(cfg, asked, out_dir, layout.rank)
-    w = cfg.workload
-    scheduler = Scheduler(asked, w.max_running_requests, w.chunk_size, w.max_prefill_tokens, p.micro_batches, p.pp)
+    s = cfg.scheduler
+    scheduler = Scheduler(asked, s.max_running_requests, s.chunk_size, s.max_prefill_tokens, p.micro_batches, p.pp)
     prior = backend.stored_hashes() if isinstance(backend, FileStorage) else set()  # a store filled before the run
     feeder = Feeder(make_workload(cfg.workload, m.vocab_size), c.page_size, prior) if layout.pp_rank == 0 else None
     trace = TraceWriter(open_run_file(trace_path(out_dir, layout.rank)), layout.rank)
@@ -127,7 +127,7 @@ def meet(cfg: RunConfig, out_dir: Path, run_id: str | None) -> list[dict]:
     config = {"out": repr(str(Path(out_dir).resolve()))}
     for key, value in asdict(cfg).items():
         config |= {f"{key}.{k}": repr(v) for k, v in value.items()} if isinstance(value, dict) else {key: repr(value)}
-    gpu = torch.cuda.current_device() if cfg.parallel.device == "cuda" else None
+    gpu = torch.cuda.current_device() if cfg.device == "cuda" else None
     mine = {"config": config, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(), "gpu": gpu}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
@@ -168,7 +168,7 @@ def run_rank(
     the run's (None where only rank 0 knows it: torchrun); the ranks agree on rank 0's at start and write it into
     their results. SIGINT/SIGTERM (`guard`) end the rank with what it has, as an interrupted result."""
     p = cfg.parallel
-    if p.device == "cpu":
+    if cfg.device == "cpu":
         torch.set_num_threads(1)  # tensors are tiny and ranks share the cores: more threads only spin
     else:
         torch.cuda.set_device(local_device(rank))
@@ -181,7 +181,7 @@ def run_rank(
     result["peers"] = {str(r): e["pid"] for r, e in enumerate(every) if e["host"] == socket.gethostname()}
     built = None
     try:
-        groups = build_groups(layout, p, [(e["host"], e["gpu"]) for e in every])
+        groups = build_groups(layout, p, cfg.device, [(e["host"], e["gpu"]) for e in every])
         result["compute_backends"] = groups.compute_backends
         built = build_rank(cfg, groups, out_dir, binders)
         guard.owe(lambda name: _write(cfg, out_dir, record_interrupt(result, name), built, closing=False))
@@ -269,7 +269,7 @@ def _gather(cfg: RunConfig, out_dir: Path, result: dict, built: Built, closing: 
         layout = RankLayout(p.tp, p.cp, p.pp, result["rank"])
         is_reference_rank = layout.pp_rank == p.pp - 1 and layout.tp_rank == 0 and layout.cp_rank == 0
         reqs = answered if is_reference_rank else []
-        result["oracle"] = check_outputs(cfg.model, p.device, reqs, cache.copy_check())
+        result["oracle"] = check_outputs(cfg.model, cfg.device, reqs, cache.copy_check())
 
 
 def _lab_calls(exc: BaseException, depth: int = 4) -> str:

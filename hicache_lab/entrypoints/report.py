@@ -130,8 +130,8 @@ def _merge_faults(cfg: RunConfig, results: list[dict]) -> list[dict]:
     """Each fault asked (`--fault`, `--skip-load-wait`) and what the ranks it strikes recorded (hooks.Chances):
     `fired` is True where it came on some rank, False where it never did (then `message` says why, as a warning,
     and the CLI exits 1), None where no rank it strikes left a result; `chances` per rank."""
-    p = cfg.parallel
-    asked = [f"--fault {p.fault}"] * bool(p.fault) + ["--skip-load-wait"] * cfg.cache.skip_load_wait
+    lab = cfg.lab
+    asked = [f"--fault {lab.fault}"] * bool(lab.fault) + ["--skip-load-wait"] * lab.skip_load_wait
     merged = []
     for flag in asked:
         records = [f for r in results for f in r.get("faults", ()) if f["asked"] == flag]

@@ -86,6 +86,6 @@ def one_rank_cache(
     layers of one head of 2 dimensions on the CPU."""
     if groups is None:
         groups = build_groups(RankLayout(1, 1, 1, 0), ParallelConfig())
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes)
+    sync = CacheSync(groups, ParallelConfig())
     kv = KVShape(num_layers, num_heads=1, head_dim=2)
     return build_cache(cfg, kv, sync, check_copies=check_copies, seed=seed)

@@ -25,10 +25,10 @@ TIMEOUT_S = 30
 WORLDS = {"pp3": (1, 1, 3), "tp2cp2": (2, 2, 1)}
 
 
-def _fixes(sync: str, off: tuple[str, ...] = ()) -> frozenset[str]:
-    """The mode's fixes less `off`; `fixed` with the proposals on too (the allocation vote is checked here)."""
+def _parallel(sync: str, off: tuple[str, ...] = ()) -> ParallelConfig:
+    """The mode less the fixes `off`; `fixed` with the proposals on too (the allocation vote is checked here)."""
     proposals = tuple(PROPOSALS) if sync == "fixed" else ()
-    return ParallelConfig(sync=sync, enable_fixes=proposals, disable_fixes=off).fixes
+    return ParallelConfig(sync=sync, enable_fixes=proposals, disable_fixes=off)
 
 
 def _scenarios(rank: int, groups) -> dict[str, object]:
@@ -44,7 +44,7 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
         ("no_storage_keys", "fixed", ("storage_keys",)),
         ("no_prefetch_groups", "fixed", ("prefetch_groups",)),
     ):
-        sync = CacheSync(mode, groups, _fixes(mode, off), storage=True)
+        sync = CacheSync(groups, _parallel(mode, off), storage=True)
         out[f"acks/{name}"] = sync.agree_ack_counts(local, in_flight=local)
         last = groups.layout.tp * groups.layout.cp * groups.layout.pp - 1
         out[f"allocated/{name}"] = sync.agree_allocation(rank != last)  # the last rank's allocation failed
@@ -57,7 +57,7 @@ def _scenarios(rank: int, groups) -> dict[str, object]:
         out[f"pages/{name}"] = sync.agree_prefetch_progress([5 + rank])
         sync.finish()
     for name, off in (("bounded", ()), ("polled", ("bounded_drain",))):
-        sync = CacheSync("fixed", groups, _fixes("fixed", off))
+        sync = CacheSync(groups, _parallel("fixed", off))
         for _ in range(3):
             sync.agree_ack_counts(local, in_flight=local)
         held = len(sync.work_list)
@@ -82,7 +82,7 @@ def _early_return(rank: int, groups) -> dict[str, list]:
     in the scheduler loop, a deadlock)."""
     out = {}
     for name, on in (("kept", ("always_agree",)), ("dropped", ())):
-        sync = CacheSync("legacy", groups, _fixes("legacy") | set(on))
+        sync = CacheSync(groups, ParallelConfig(sync="legacy", enable_fixes=on))
         calls = [{"write": 0, "load": 0}] if rank == 0 else [{"write": rank + 1, "load": 0}]
         if rank == 0 and not on:
             calls.append({"write": 1, "load": 0})

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache_lab.config import RunConfig
 from hicache_lab.distributed.parallel_state import compute_backend, local_device, placement_words
 from hicache_lab.parallel_config import ParallelConfig
 
@@ -38,12 +39,15 @@ def test_a_compute_group_uses_nccl_only_where_its_ranks_sit_on_distinct_gpus():
 
 
 def test_the_placement_is_said_as_a_world_starts(gpus):
+    tp2pp2 = RunConfig(parallel=ParallelConfig(tp=2, pp=2), device="cuda")
     gpus(1)
-    words = placement_words(ParallelConfig(tp=2, pp=2, device="cuda"))
+    words = placement_words(tp2pp2)
     assert words.startswith("4 rank(s) on 1 GPU(s)") and "attn_tp over gloo" in words and "staged" in words
     gpus(4)
-    words = placement_words(ParallelConfig(tp=2, pp=2, device="cuda"))
+    words = placement_words(tp2pp2)
     assert "attn_tp over nccl; pp over nccl" in words and "staged" not in words
     gpus(2)  # ranks 0-3 on GPUs 0, 1, 0, 1: each TP pair spans both GPUs, each PP pair shares one
-    assert "attn_tp over nccl; pp over gloo" in placement_words(ParallelConfig(tp=2, pp=2, device="cuda"))
-    assert placement_words(ParallelConfig(pp=2)) is None
+    assert "attn_tp over nccl; pp over gloo" in placement_words(
+        RunConfig(parallel=ParallelConfig(tp=2, pp=2), device="cuda")
+    )
+    assert placement_words(RunConfig(parallel=ParallelConfig(pp=2))) is None

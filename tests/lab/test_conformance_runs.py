@@ -7,8 +7,6 @@ reason where it is missing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from hicache_lab.__main__ import main
@@ -43,7 +41,7 @@ RUNS = {  # name: run flags on top of the small workload (write_through, host 3x
 
 
 def record(flags: str, out) -> dict:
-    cfg = dataclasses.replace(config(WORKLOAD, flags), record_cache_ops=True)
+    cfg = config(WORKLOAD, flags).with_lab(record_cache_ops=True)
     return run(cfg, out, verbose=False)
 
 

@@ -72,7 +72,7 @@ def test_cache_impl_names_a_release_the_lab_runs_or_says_which_it_does():
         releases.parse("sglang==0.5.99")
     assert releases.parse("sglang") == releases.REFERENCE and releases.parse("lab") is None
     with pytest.raises(ConfigError, match="unknown --cache-impl"):
-        preset_config(WORLD, "--cache-impl sglang=0.5.12")
+        SGLANG_CACHE.check(preset_config(WORLD, "--cache-impl sglang=0.5.12"))
 
 
 def test_a_release_not_installed_is_refused_saying_how_to_install_it(tmp_path, monkeypatch):

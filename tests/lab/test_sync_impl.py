@@ -16,11 +16,11 @@ import time
 
 import pytest
 
+from hicache_lab.config import RunConfig
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import run
-from hicache_lab.lab.teach.sync_impl import SyncImplError, call_bounded, resolve
+from hicache_lab.lab.teach.sync_impl import SYNC_IMPLS, SyncImplError, call_bounded, resolve
 from hicache_lab.managers.step_trace import read_trace
-from hicache_lab.parallel_config import ParallelConfig
 
 RELAYS = textwrap.dedent(
     """
@@ -71,7 +71,7 @@ MISBEHAVING = textwrap.dedent(
 )
 def test_malformed_sync_impl_names_the_flag(specs, message):
     with pytest.raises(ConfigError, match=message):
-        ParallelConfig(sync_impls=specs)
+        SYNC_IMPLS.check(RunConfig().with_lab(sync_impls=specs))  # the grammar, before any import
 
 
 @pytest.mark.parametrize(
@@ -108,7 +108,7 @@ def misbehaving(tmp_path, monkeypatch):
 @pytest.mark.spawns
 def test_a_sync_impl_that_raises_or_exits_stops_the_run_naming_it(small_config, misbehaving, spec, said):
     cfg = small_config(enable_hierarchical_cache=True)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(spec,)))
+    cfg = cfg.with_lab(sync_impls=(spec,))
     summary = run(cfg, misbehaving / "out", verbose=False)  # one rank, in a process of its own
     assert summary["crashed"] and not summary["completed"]
     assert f"SyncImplError: --sync-impl {spec} {said}" in summary["error"]
@@ -129,7 +129,7 @@ def test_code_that_ends_its_process_or_leaves_a_thread_is_named(small_config, mi
     cfg = small_config(enable_hierarchical_cache=True)
 
     def with_impl(spec):
-        return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(spec,)))
+        return cfg.with_lab(sync_impls=(spec,))
 
     with pytest.raises(ConfigError, match="importing it ended the process .exit code 0."):
         run(with_impl("pp_sync=ends_at_import:f"), misbehaving / "out", verbose=False)

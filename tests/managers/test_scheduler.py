@@ -16,13 +16,14 @@ from hicache_lab.managers.schedule_policy import PrefillAdder
 from hicache_lab.managers.scheduler import Scheduler
 from hicache_lab.managers.scheduler_pp import decode_requests, encode_requests
 from hicache_lab.mem_cache.build import KVShape, build_cache
+from hicache_lab.parallel_config import ParallelConfig
 
 
 def scheduler(groups, tokens: int = 64, max_running: int = 4, hicache: bool = False) -> Scheduler:
     cfg = CacheConfig(
         max_total_tokens=tokens, enable_hierarchical_cache=hicache, load_back_threshold=1, max_copy_delay_steps=0
     )
-    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync("fixed", groups, frozenset()))
+    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync(groups, ParallelConfig()))
     return Scheduler(cache, max_running)
 
 
@@ -183,7 +184,7 @@ def test_the_output_estimate_resets_only_when_fully_idle(groups):
     """SGLang's `on_idle`: an idle step resets `new_token_ratio` only with nothing running and nothing waiting.
     Here b waits (a's prefix stays locked while its host write is in flight), so the ratio is kept."""
     cfg = CacheConfig(max_total_tokens=64, enable_hierarchical_cache=True, max_copy_delay_steps=6)
-    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync("fixed", groups, frozenset()))
+    _, cache = build_cache(cfg, KVShape(num_layers=1, num_heads=1, head_dim=2), CacheSync(groups, ParallelConfig()))
     s = Scheduler(cache, 4)
     a = req(0, list(range(40)), new_tokens=2)
     s.add([a])

@@ -131,7 +131,7 @@ def test_a_ring_never_holds_more_than_the_device_pool():
 def test_preflight_counts_one_ring_per_rank_on_cuda_and_none_elsewhere():
     def staging(device, layout="page_first", chunk_mib=32, hierarchical=True):
         cache = CacheConfig(enable_hierarchical_cache=hierarchical, host_layout=layout, dma_chunk_mib=chunk_mib)
-        cfg = RunConfig(cache=cache, parallel=ParallelConfig(device=device, pp=2))
+        cfg = RunConfig(cache=cache, parallel=ParallelConfig(pp=2), device=device)
         return memory_needed(cfg)["DMA staging ring"]
 
     n, flags, on_device = staging("cuda", chunk_mib=1)

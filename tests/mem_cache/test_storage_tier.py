@@ -147,7 +147,7 @@ def test_a_split_during_a_host_write_backs_up_both_halves(groups, tmp_path):
         prefetch_threshold=4,
         max_copy_delay_steps=0,
     )
-    sync = CacheSync("fixed", groups, ParallelConfig().fixes, storage=True)
+    sync = CacheSync(groups, ParallelConfig(), storage=True)
     backend = FileStorage(tmp_path, "test")
     _, cache = build_cache(cfg, KVShape(1, 1, 2), sync, backend=backend)
     whole = tuple(range(16))

@@ -11,9 +11,10 @@ import sys
 
 import pytest
 
-from hicache_lab.config import CacheConfig, ModelConfig, RunConfig, WorkloadConfig
+from hicache_lab.config import CacheConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
 from hicache_lab.entrypoints.args import FLAGS, SECTIONS
 from hicache_lab.errors import ConfigError
+from hicache_lab.lab.check.faults import FAULTS
 from hicache_lab.parallel_config import ParallelConfig
 
 
@@ -28,8 +29,8 @@ from hicache_lab.parallel_config import ParallelConfig
         (lambda: CacheConfig(latency="instant"), "--latency"),
         (lambda: ModelConfig(hidden_size=60, num_heads=4), "--num-heads"),
         (lambda: WorkloadConfig(num_clients=0), "--num-clients"),
-        (lambda: WorkloadConfig(chunked_prefill_size=0), "or -1 to turn chunking off"),
-        (lambda: WorkloadConfig(max_prefill_tokens=0), "--max-prefill-tokens"),
+        (lambda: SchedulerConfig(chunked_prefill_size=0), "or -1 to turn chunking off"),
+        (lambda: SchedulerConfig(max_prefill_tokens=0), "--max-prefill-tokens"),
         (lambda: ParallelConfig(pp_async_batch_depth=-1), "--pp-async-batch-depth"),
         (lambda: CacheConfig(prefetch_timeout_base_s=-1), "--prefetch-timeout-base"),
         (lambda: RunConfig(cache=CacheConfig(max_total_tokens=128)), "raise it"),
@@ -66,9 +67,9 @@ def test_cli_reports_bad_configuration_and_exits_2():
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda: ParallelConfig(pp=2, fault="kill-rank:9@3"), "rank 9 is not in a world of 2"),
-        (lambda: ParallelConfig(fault="kill-rank:0@3"), "needs a world of 2 or more ranks"),
-        (lambda: ParallelConfig(fault="explode:0@1"), "write KIND:RANK@N"),
+        (lambda: FAULTS.check(RunConfig(parallel=ParallelConfig(pp=2)).with_lab(fault="kill-rank:9@3")), "rank 9 is"),
+        (lambda: FAULTS.check(RunConfig().with_lab(fault="kill-rank:0@3")), "needs a world of 2 or more ranks"),
+        (lambda: FAULTS.check(RunConfig().with_lab(fault="explode:0@1")), "write KIND:RANK@N"),
         (lambda: ParallelConfig(pp=3, pp_layer_partition=(1, 2)), "one layer count per stage"),
         (lambda: RunConfig(parallel=ParallelConfig(pp=2, pp_layer_partition=(2, 3))), "must add up to --num-layers 4"),
     ],

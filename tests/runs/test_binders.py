@@ -8,34 +8,33 @@ import json
 
 import pytest
 
-from hicache_lab.entrypoints.binders import LAB_FIELDS, Binder
+from hicache_lab.config import LabConfig
+from hicache_lab.entrypoints.binders import Binder
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB
 
 
 @pytest.mark.parametrize(
-    ("section", "change", "flag"),
+    ("change", "flag"),
     [
-        ("parallel", {"fault": "slow-rank:0@1"}, "--fault slow-rank:0@1"),
-        ("cache", {"skip_load_wait": True}, "--skip-load-wait"),
-        ("parallel", {"sync_impls": ("pp_sync=my_sync:pp_sync",)}, "--sync-impl pp_sync=my_sync:pp_sync"),
-        (None, {"record_cache_ops": True}, "--record-cache-ops"),
+        ({"fault": "slow-rank:0@1"}, "--fault slow-rank:0@1"),
+        ({"skip_load_wait": True}, "--skip-load-wait"),
+        ({"sync_impls": ("pp_sync=my_sync:pp_sync",)}, "--sync-impl pp_sync=my_sync:pp_sync"),
+        ({"record_cache_ops": True}, "--record-cache-ops"),
+        ({"cache_impl": "sglang"}, "--cache-impl sglang"),
+        ({"dp_attention": True}, "--enable-dp-attention"),
     ],
 )
-def test_a_lab_flag_nothing_serves_is_refused_before_any_rank_starts(small_config, tmp_path, section, change, flag):
-    cfg = small_config(check_outputs=False)
-    if section:
-        cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **change)})
-    else:
-        cfg = dataclasses.replace(cfg, **change)
+def test_a_lab_flag_nothing_serves_is_refused_before_any_rank_starts(small_config, tmp_path, change, flag):
+    cfg = small_config(check_outputs=False).with_lab(**change)
     with pytest.raises(ConfigError, match=f"^{flag}: lab tooling that nothing in this run serves"):
         run(cfg, tmp_path / "out", verbose=False)
     assert not (tmp_path / "out").exists()
 
 
 def test_the_lab_serves_every_lab_field():
-    assert sorted(f for binder in LAB for f in binder.fields) == sorted(LAB_FIELDS)
+    assert sorted(f for binder in LAB for f in binder.fields) == sorted(f.name for f in dataclasses.fields(LabConfig))
 
 
 class Counting(Binder):

@@ -4,7 +4,6 @@ fault test can never pass by testing nothing."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -49,8 +48,7 @@ def test_a_fault_that_never_fires_fails_the_cli_and_names_an_n_that_would(tmp_pa
 
 @pytest.mark.parametrize(("fault", "skip_load_wait"), [("alloc-fail:0@3", False), ("tear-copy:0@2", False), ("", True)])
 def test_a_fault_that_fires_is_recorded_as_fired(small_config, tmp_path, fault, skip_load_wait):
-    cfg = small_config(enable_hierarchical_cache=True, skip_load_wait=skip_load_wait)
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, fault=fault))
+    cfg = small_config(enable_hierarchical_cache=True, skip_load_wait=skip_load_wait, fault=fault)
     (record,) = run(cfg, tmp_path, verbose=False)["faults"]
     assert record["fired"] is True and record["message"] is None
     assert record["chances"]["0"] >= 1

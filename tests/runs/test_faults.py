@@ -46,10 +46,7 @@ def test_a_killed_rank_ends_the_world_within_the_timeout_and_is_named(world_conf
 
 @pytest.mark.parametrize("fault", ["tear-copy:0@3", "misplace-copy:0@3"])
 def test_copy_checksum_catches_a_bad_host_write_at_once(small_config, tmp_path, fault):
-    from hicache_lab.parallel_config import ParallelConfig
-
-    cfg = small_config(enable_hierarchical_cache=True, copy_checksum=True)
-    cfg.parallel = ParallelConfig(fault=fault)
+    cfg = small_config(enable_hierarchical_cache=True, copy_checksum=True, fault=fault)
     summary = run(cfg, tmp_path, verbose=False)
     assert summary["crashed"] and "CopyChecksumError" in summary["error"]
     assert "does not match its source's checksum" in summary["error"]

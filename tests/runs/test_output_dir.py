@@ -4,7 +4,6 @@ of the run that cannot be written ends it with one line naming the file, never a
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import io
 import json
@@ -65,9 +64,9 @@ def test_a_trace_cut_short_keeps_its_whole_lines(tmp_path):
 def test_the_cleanup_knows_every_file_a_run_writes(small_config, tmp_path):
     """What a run with every writer of its own turned on leaves in --out: each name is one the start-of-run
     cleanup deletes (LAB_FILES), so a link planted under it is removed rather than written through."""
-    cfg = dataclasses.replace(small_config(enable_hierarchical_cache=True), record_cache_ops=True)
+    cfg = small_config(enable_hierarchical_cache=True, record_cache_ops=True)
     audited = "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check"
-    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync_impls=(audited,)))
+    cfg = cfg.with_lab(sync_impls=(audited,))
     assert run(cfg, tmp_path, verbose=False, binders=LAB)["completed"]
     written = {p.name for p in tmp_path.iterdir() if p.is_file() and p.name != MARKER}
     assert {"summary.json", "sync_audit_rank0.jsonl", "rank0.cache_ops.jsonl"} <= written

@@ -15,7 +15,6 @@ from hicache_lab.managers.step_trace import read_trace
 
 PRESSURE = {
     "ignore_eos": False,  # admitted on the estimate of what they answer: decode memory runs out (retractions)
-    "chunked_prefill_size": 16,
     "output_length": 64,
     "num_rounds": 2,
     "num_clients": 8,
@@ -23,7 +22,8 @@ PRESSURE = {
 
 
 def under_pressure(cfg):
-    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **PRESSURE))
+    scheduler = dataclasses.replace(cfg.scheduler, chunked_prefill_size=16)
+    return dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, **PRESSURE), scheduler=scheduler)
 
 
 def test_a_prompts_host_write_starts_in_the_step_of_its_prefill(small_config, tmp_path):

@@ -95,18 +95,19 @@ def with_impl(cfg: RunConfig, impl: str) -> RunConfig:
     side's (the TP group its scheduler gives its cache); the lab's cache agrees as its `--sync` says."""
     p = cfg.parallel
     if impl == "lab":
-        p = dataclasses.replace(p, dp_attention=False)
+        cfg = cfg.with_lab(dp_attention=False)
     elif impl == "sglang":
         lab_only = set(NO_SGLANG_SITE)
         p = dataclasses.replace(
             p,
-            sync_impls=(),
             enable_fixes=tuple(f for f in p.enable_fixes if f not in lab_only),
             disable_fixes=tuple(f for f in p.disable_fixes if f not in lab_only),
         )
+        cfg = cfg.with_lab(sync_impls=())
     else:
-        p = dataclasses.replace(p, sync="fixed", sync_impls=(), enable_fixes=(), disable_fixes=())
-    return dataclasses.replace(cfg, parallel=p, cache_impl=impl, check_outputs=True)
+        p = dataclasses.replace(p, sync="fixed", enable_fixes=(), disable_fixes=())
+        cfg = cfg.with_lab(sync_impls=())
+    return dataclasses.replace(cfg.with_lab(cache_impl=impl), parallel=p, check_outputs=True)
 
 
 def by_step(out: Path) -> dict[tuple[int, int], dict]:

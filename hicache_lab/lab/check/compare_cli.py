@@ -153,7 +153,7 @@ def cmd_compare(args) -> int:
         print(table)
         return 0 if all(r["verdict"].startswith("equal") or r["kept"] for r in rows) else 1
     cfg = config_from_args(args)
-    if cfg.cache_impl != "lab":
+    if cfg.lab.cache_impl != "lab":
         raise ConfigError("compare runs both caches itself: drop --cache-impl")
     if args.show < 0:
         raise ConfigError(f"--show {args.show}: give how many differences to print, 0 or more")

@@ -117,7 +117,7 @@ def _stage(rank: int, stages: int, port: int, schedules: list, steps: int, modes
     groups = build_groups(RankLayout(1, 1, stages, rank), ParallelConfig(pp=stages, collective_timeout_s=TIMEOUT_S))
     report = {}
     for mode in modes:
-        sync = CacheSync(mode, groups, ParallelConfig(pp=stages, sync=mode).fixes)
+        sync = CacheSync(groups, ParallelConfig(pp=stages, sync=mode))
         mine = [play(schedule[rank], steps, sync) for schedule in schedules]
         everyone = [None] * stages
         dist.all_gather_object(everyone, mine)

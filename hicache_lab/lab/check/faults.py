@@ -1,17 +1,19 @@
 """Faults, for the tests that show a failure is caught, bound into a rank's parts at build time by `FAULTS`
-(entrypoints/binders.py), so that the core has no branch for them:
+(entrypoints/binders.py), so that the core has no branch for them. The kinds of `--fault KIND:RANK@N` and what
+each does are `config.FAULT_KINDS` (the flag's help is made of them); here each kind's chances (`CHANCES`), its
+checks (`FaultBinder.check`) and its binding, through the hook points the cache's contract names
+(mem_cache/base.py):
 
-* `--fault kill-rank:R@N` - rank R's process is killed (SIGKILL) as its iteration N begins;
-* `--fault slow-rank:R@MS` - rank R sleeps MS milliseconds at the start of every iteration: a slower stage (what a
-  protocol that forces the stages into lockstep costs, `python -m hicache_lab exercise`);
-* `--fault tear-copy:R@N` / `misplace-copy:R@N` - rank R's Nth host write leaves out its first layer / lands
-  every token one slot over (`--copy-checksum` and `--check-outputs` must catch it);
-* `--fault alloc-fail:R@N` - rank R's Nth slot allocation for a copy (a write to the host, a load back, a
-  prefetch's host slots; from 0) fails, as a full pool would on that rank alone (SGLang #28429, #33442): the
-  ranks must agree on it (`alloc_agreement`);
-* `--fault damage-page:R@N` - the Nth page rank R reads from the file store (from 0) has a byte flipped on disk
-  just before the read: the checksum makes it a miss, and the ranks must agree that it did not arrive;
-* `--skip-load-wait` - the forward pass reads loaded KV without waiting for the load (the oracle must fail).
+* kill-rank and slow-rank - `StageLoop.on_iteration` (a slower stage is what a protocol that forces the stages
+  into lockstep costs, `python -m hicache_lab exercise`);
+* tear-copy and misplace-copy - `HiCacheController.write_job` (`--copy-checksum` and `--check-outputs` must
+  catch them);
+* alloc-fail - `HiRadixCache.allocate`: a full pool on that rank alone (SGLang #28429, #33442), which the ranks
+  must agree on (`alloc_agreement`);
+* damage-page - `FileStorage.batch_get`, which `FileStorage.damage` flips a byte of on disk just before the read:
+  the checksum makes it a miss, and the ranks must agree that it did not arrive;
+* `--skip-load-wait` - `Scheduler.schedule`: the forward pass reads loaded KV without waiting for the load (the
+  oracle must fail).
 
 Each fault counts its chances on the rank it strikes (`Chances`: the Nth host write can come only if the rank
 makes N + 1), and the rank's result records them (`"faults"`): a fault that never came is a run that did not do
@@ -28,8 +30,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ...config import RunConfig
+from ...config import FAULT_KINDS, RunConfig
 from ...entrypoints.binders import Binder, RankParts
+from ...errors import ConfigError, require
 from ...managers.scheduler import Scheduler
 from ...managers.scheduler_pp import StageLoop
 from ...mem_cache.base import BasePrefixCache
@@ -69,7 +72,7 @@ class Chances:
 
 
 HOST_TIER = "only a run with --enable-hierarchical-cache makes them"
-CHANCES = {  # what a chance of each fault is, and what makes one
+CHANCES = {  # what a chance of each fault kind (config.FAULT_KINDS) is, and what makes one
     "kill-rank": ("began {} iterations", ""),
     "slow-rank": ("began {} iterations", ""),
     "tear-copy": ("made {} host writes", HOST_TIER),
@@ -90,12 +93,12 @@ def install_faults(cfg: RunConfig, rank: int, cache: BasePrefixCache, loop: Stag
     """Bind `--fault` (where it names this rank) and `--skip-load-wait` to this rank's parts; each counts its
     chances, which the rank's result records (`Chances.record`)."""
     faults = []
-    if cfg.cache.skip_load_wait:
+    if cfg.lab.skip_load_wait:
         faults.append(Chances("--skip-load-wait", rank, *SKIP_LOAD_WAIT))
         _skip_load_wait(loop.scheduler, faults[-1])
-    if cfg.parallel.fault and cfg.parallel.fault_spec[1] == rank:
-        kind, _, n = cfg.parallel.fault_spec
-        chances = Chances(f"--fault {cfg.parallel.fault}", rank, *CHANCES[kind], 0 if kind == "slow-rank" else n)
+    if cfg.lab.fault and parse_fault(cfg.lab.fault)[1] == rank:
+        kind, _, n = parse_fault(cfg.lab.fault)
+        chances = Chances(f"--fault {cfg.lab.fault}", rank, *CHANCES[kind], 0 if kind == "slow-rank" else n)
         faults.append(chances)
         if kind == "kill-rank":
             loop.on_iteration.append(partial(_kill_at, chances))
@@ -180,7 +183,28 @@ def _damage_page(backend: FileStorage, chances: Chances) -> None:
 class FaultBinder(Binder):
     """`--fault` and `--skip-load-wait`: bound into the rank they strike; its result records their chances."""
 
-    fields = ("parallel.fault", "cache.skip_load_wait")
+    fields = ("fault", "skip_load_wait")
+
+    def check(self, cfg: RunConfig) -> None:
+        """`--fault`'s grammar, and that it can strike in this world."""
+        if not cfg.lab.fault:
+            return
+        fault, p = cfg.lab.fault, cfg.parallel
+        kind, rank, n = parse_fault(fault)
+        require(rank < p.world_size, f"--fault {fault}: rank {rank} is not in a world of {p.world_size}")
+        require(
+            kind != "slow-rank" or n < 250 * p.collective_timeout_s,
+            f"--fault {fault}: a sleep of {n} ms every iteration makes its peers wait past a quarter of "
+            f"--collective-timeout {p.collective_timeout_s:g}: give fewer ms or a longer timeout",
+        )
+        require(
+            kind != "kill-rank" or p.world_size > 1,
+            "--fault kill-rank needs a world of 2 or more ranks (a single rank runs in the launching process)",
+        )
+        require(
+            kind != "damage-page" or cfg.cache.storage_backend == "file",
+            "--fault damage-page damages a page file: add --hicache-storage-backend file",
+        )
 
     def bind(self, cfg: RunConfig, parts: RankParts, out_dir: Path):
         faults = install_faults(cfg, parts.rank, parts.cache, parts.loop)
@@ -188,3 +212,14 @@ class FaultBinder(Binder):
 
 
 FAULTS = FaultBinder()
+
+
+def parse_fault(fault: str) -> tuple[str, int, int]:
+    """(kind, rank, n) of `--fault KIND:RANK@N`; a ConfigError that shows the grammar otherwise."""
+    kind, _, where = fault.partition(":")
+    rank, _, at = where.partition("@")
+    if kind not in FAULT_KINDS or not rank.isdigit() or not at.isdigit():
+        raise ConfigError(
+            f"--fault {fault!r}: write KIND:RANK@N with KIND one of {', '.join(FAULT_KINDS)}, e.g. kill-rank:1@20"
+        )
+    return kind, int(rank), int(at)

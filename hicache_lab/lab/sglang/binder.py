@@ -7,6 +7,7 @@ starts, each with its reason.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch.distributed as dist
 from ...config import CacheConfig, RunConfig
 from ...distributed.cache_sync import CacheSync
 from ...entrypoints.binders import Binder
-from ...errors import ConfigError
+from ...errors import ConfigError, require
 from ...mem_cache.build import KVShape
 from ...mem_cache.copy_engine import make_copy_engine
 from . import releases, reverts
@@ -32,10 +33,16 @@ def refusals(cfg: RunConfig) -> list[str]:
     c, p = cfg.cache, cfg.parallel
     named = set(p.enable_fixes) | set(p.disable_fixes)
     checks = (
-        (p.device == "cpu", "--device cuda: sglang's CUDA kernels are not installed beside the lab; use --device cpu"),
+        (
+            cfg.device == "cpu",
+            "--device cuda: sglang's CUDA kernels are not installed beside the lab; use --device cpu",
+        ),
         (p.sync != "off", "--sync off: SGLang always agrees; use --sync legacy (its code before the fixes) or fixed"),
         (c.storage_backend != "mooncake", "--hicache-storage-backend mooncake: SGLang's file backend only, for now"),
-        (not p.fault and not c.skip_load_wait, "--fault / --skip-load-wait inject into the lab's cache: drop them"),
+        (
+            not cfg.lab.fault and not cfg.lab.skip_load_wait,
+            "--fault / --skip-load-wait inject into the lab's cache: drop them",
+        ),
         (
             c.storage_writers == "every-rank",
             "--hicache-storage-writers one is the lab's: SGLang's file backend writes from every rank (MHA KV)",
@@ -50,8 +57,8 @@ def refusals(cfg: RunConfig) -> list[str]:
             "(--prefetch-timeout-base, --prefetch-timeout-per-ki-token)",
         ),
         (not c.copy_checksum, "--copy-checksum checks the lab's copies: SGLang's are checked by --check-outputs"),
-        (not p.sync_impls, "--sync-impl replaces the lab's agreement: SGLang's is its own"),
-        (not cfg.record_cache_ops, "--record-cache-ops records the lab's cache for `conform`: use `compare`"),
+        (not cfg.lab.sync_impls, "--sync-impl replaces the lab's agreement: SGLang's is its own"),
+        (not cfg.lab.record_cache_ops, "--record-cache-ops records the lab's cache for `conform`: use `compare`"),
         (
             not named & set(reverts.NO_SGLANG_SITE),
             f"--enable-fix/--disable-fix {', '.join(sorted(named & set(reverts.NO_SGLANG_SITE)))}: sglang 0.5.23 has "
@@ -132,28 +139,32 @@ def refuse_special_files(cfg: RunConfig) -> None:
 
 
 class SGLangCacheBinder(Binder):
-    fields = ("cache_impl",)
+    fields = ("cache_impl", "dp_attention")
 
     def check(self, cfg: RunConfig) -> None:
-        if cfg.cache_impl == "lab":
+        require(
+            cfg.lab.cache_impl in ("lab", "sglang") or bool(re.fullmatch(r"sglang==\d+\.\d+\.\d+", cfg.lab.cache_impl)),
+            f"unknown --cache-impl {cfg.lab.cache_impl!r}: use lab, sglang, or sglang==X for an SGLang release",
+        )
+        if cfg.lab.cache_impl == "lab":
             return
         try:
-            version = releases.parse(cfg.cache_impl)
+            version = releases.parse(cfg.lab.cache_impl)
             if version == releases.REFERENCE:
                 prepare_imports()
             elif reason := releases.missing(version):
                 raise RuntimeError(reason)
         except (ValueError, RuntimeError) as exc:
-            raise ConfigError(f"--cache-impl {cfg.cache_impl}: {exc}") from None
+            raise ConfigError(f"--cache-impl {cfg.lab.cache_impl}: {exc}") from None
         reasons = refusals(cfg) if version == releases.REFERENCE else release_refusals(cfg, version)
         if reasons:
-            raise ConfigError(f"--cache-impl {cfg.cache_impl} cannot run this: " + "; ".join(reasons))
+            raise ConfigError(f"--cache-impl {cfg.lab.cache_impl} cannot run this: " + "; ".join(reasons))
         refuse_special_files(cfg)
 
     def build_cache(self, cfg: RunConfig, sync: CacheSync, kv: KVShape, storage_dir: Path):
-        if cfg.cache_impl == "lab":
+        if cfg.lab.cache_impl == "lab":
             return None
-        c, layout, version = cfg.cache, sync.groups.layout, releases.parse(cfg.cache_impl)
+        c, layout, version = cfg.cache, sync.groups.layout, releases.parse(cfg.lab.cache_impl)
         world = sglang_world(cfg, sync.groups, storage_dir)
         clock = make_copy_engine(
             c.latency, kv.device, c.max_copy_delay_steps, c.injected_delay_ms, seed=cfg.workload.seed, rank=layout.rank
@@ -178,13 +189,13 @@ class SGLangCacheBinder(Binder):
         return cache.pool, cache
 
     def runs_unbounded_code(self, cfg: RunConfig) -> bool:
-        return cfg.cache_impl != "lab"  # SGLang's storage threads and collectives: a rank of its own, watched
+        return cfg.lab.cache_impl != "lab"  # SGLang's storage threads and collectives: a rank of its own, watched
 
     def bind(self, cfg: RunConfig, parts, out_dir: Path):
-        if cfg.cache_impl == "lab":
+        if cfg.lab.cache_impl == "lab":
             return None
         observe_relay(parts.sync, parts.cache.cache)
-        impl, replaced, host_tokens = cfg.cache_impl, self.replaced, self.host_tokens
+        impl, replaced, host_tokens = cfg.lab.cache_impl, self.replaced, self.host_tokens
         return lambda: {"cache_impl": impl, "sglang_reverts": replaced, "sglang_host_tokens": host_tokens}
 
 

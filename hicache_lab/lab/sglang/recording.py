@@ -30,9 +30,9 @@ class RecordingBinder(Binder):
     fields = ("record_cache_ops",)
 
     def wrap_cache(self, cfg: RunConfig, cache: BasePrefixCache, out_dir: Path, rank: int) -> BasePrefixCache:
-        if not cfg.record_cache_ops:
+        if not cfg.lab.record_cache_ops:
             return cache
-        return RecordingCache(cache, ops_path(out_dir, rank), rank, cfg.parallel.fault)
+        return RecordingCache(cache, ops_path(out_dir, rank), rank, cfg.lab.fault)
 
 
 def ops_path(out_dir: Path, rank: int) -> Path:

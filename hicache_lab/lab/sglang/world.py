@@ -128,7 +128,7 @@ def sglang_world(cfg: RunConfig, groups: Groups, storage_dir: Path) -> SGLangWor
     """This rank's place (collective: every rank calls it, in the same order)."""
     layout = groups.layout
     tp_group = _stage_tp_group(groups)
-    if cfg.parallel.dp_attention:  # SGLang's scheduler: `attn_tp_cpu_group if enable_dp_attention else tp_cpu_group`
+    if cfg.lab.dp_attention:  # SGLang's scheduler: `attn_tp_cpu_group if enable_dp_attention else tp_cpu_group`
         tp_group = groups.attn_tp_group
     return SGLangWorld(
         groups={

@@ -23,7 +23,6 @@ The words of a verdict come from explain.py; `python -m hicache_lab exercise` is
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import multiprocessing
 import signal
@@ -31,11 +30,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...config import RunConfig
+from ...config import SYNC_IMPL_SLOTS, RunConfig
 from ...entrypoints.ending import Interrupted
 from ...entrypoints.launch import run
 from ...errors import ConfigError
-from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
 from ..presets import WORLD, config
 from .explain import (
@@ -85,8 +83,7 @@ def exercise_config(
     conversations overflow by round 3, a host pool 3x larger). Not `quick`: twice the clients, rounds and pool."""
     larger = "" if quick else "--max-total-tokens 512 --num-clients 8 --num-rounds 8"
     cfg = config(WORLD, larger, world.flags, f"--device {device} --collective-timeout 6")
-    parallel = dataclasses.replace(cfg.parallel, sync_impls=sync_impls)  # not through `config`: a path may hold spaces
-    return dataclasses.replace(cfg, parallel=parallel)
+    return cfg.with_lab(sync_impls=sync_impls)  # not through `config`: a path may hold spaces
 
 
 HINT_ON_REQUEST = "stuck? check(..., hint=True), or --hint from the shell, says what to change"

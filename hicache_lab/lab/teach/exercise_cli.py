@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...parallel_config import SYNC_IMPL_SLOTS
+from ...config import SYNC_IMPL_SLOTS
 from .edition import LEFT_OUT, ROOT
 from .exercise import check
 from .mistakes import MISTAKES

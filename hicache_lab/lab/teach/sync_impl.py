@@ -39,10 +39,10 @@ from pathlib import Path
 
 import torch
 
-from ...config import RunConfig
+from ...config import SYNC_IMPL_SLOTS, RunConfig
 from ...entrypoints.binders import Binder, RankParts
 from ...entrypoints.launch import rank_processes
-from ...errors import ConfigError
+from ...errors import ConfigError, require, require_choice
 from .audit_call import AuditFinding
 from .audit_patch import patch_torch_distributed
 from .sync_audit import Audit
@@ -103,7 +103,7 @@ def _fresh(module_name: str) -> types.ModuleType:
 
 
 def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
-    """Import every `SLOT=MODULE:FUNCTION` (validated by ParallelConfig); {slot: (spec, function)}."""
+    """Import every `SLOT=MODULE:FUNCTION` (its grammar checked by `check_grammar`); {slot: (spec, function)}."""
     if specs and os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # a module written next to the notebook or the shell
     importlib.invalidate_caches()
@@ -199,17 +199,32 @@ class SyncImplBinder(Binder):
     """`--sync-impl`: the functions checked before any rank starts (each imported in a child process), then bound
     into every rank, which runs in a process of its own even alone (`runs_unbounded_code`)."""
 
-    fields = ("parallel.sync_impls",)
+    fields = ("sync_impls",)
 
     def check(self, cfg: RunConfig) -> None:
-        for spec in cfg.parallel.sync_impls:  # one that cannot load fails here, before any rank starts
+        check_grammar(cfg.lab.sync_impls)
+        for spec in cfg.lab.sync_impls:  # one that cannot load fails here, before any rank starts
             check_in_a_child(spec)
 
     def runs_unbounded_code(self, cfg: RunConfig) -> bool:
-        return bool(cfg.parallel.sync_impls)
+        return bool(cfg.lab.sync_impls)
 
     def bind(self, cfg: RunConfig, parts: RankParts, out_dir: Path) -> None:
-        install(resolve(cfg.parallel.sync_impls), parts.sync, parts.cache, out_dir)
+        install(resolve(cfg.lab.sync_impls), parts.sync, parts.cache, out_dir)
 
 
 SYNC_IMPLS = SyncImplBinder()
+
+
+def check_grammar(specs: tuple[str, ...]) -> None:
+    """Each `--sync-impl` is SLOT=MODULE:FUNCTION with a slot of `SYNC_IMPL_SLOTS`, each slot named once."""
+    for spec in specs:
+        slot, _, target = spec.partition("=")
+        module, _, function = target.rpartition(":")  # a path may hold a colon, a function name never
+        require(
+            bool(module and function),
+            f"--sync-impl {spec!r}: write SLOT=MODULE:FUNCTION, e.g. pp_sync=my_sync:pp_sync",
+        )
+        require_choice(slot, SYNC_IMPL_SLOTS, "--sync-impl slot")
+    slots = [spec.partition("=")[0] for spec in specs]
+    require(len(set(slots)) == len(slots), f"--sync-impl names a slot twice ({', '.join(slots)}): keep one each")
