@@ -74,8 +74,8 @@ from bench.agreement_primitives import measure_primitives
 from bench.agreement_report import report_primitives, spread
 from bench.agreement_tables import HEADER, print_tables
 from bench.common import RESULTS, code_state, machine_info, ratio, usable_cpus, write_csv
+from hicache_lab.args import add_run_flags, config_from_args
 from hicache_lab.config import RunConfig
-from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.lab.binders import run
 from hicache_lab.managers.step_trace import read_trace
 from hicache_lab.parallel_config import SYNC_MODES

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, write_csv
-from hicache_lab.entrypoints.args import add_run_flags, config_from_args
+from hicache_lab.args import add_run_flags, config_from_args
 from hicache_lab.lab.binders import run
 
 

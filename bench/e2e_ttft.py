@@ -49,8 +49,8 @@ import torch
 
 from bench import e2e_bounds as bounds
 from bench.common import RESULTS, check, machine_info, write_json
+from hicache_lab.args import add_run_flags, config_from_args
 from hicache_lab.config import RunConfig
-from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.binders import Binder, RankParts
 from hicache_lab.lab.binders import run
 from hicache_lab.managers.step_trace import read_trace

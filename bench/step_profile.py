@@ -40,8 +40,8 @@ from pathlib import Path
 
 from bench.common import RESULTS, check, code_state, machine_info, ratio, usable_cpus, write_csv
 from bench.step_timer import CATEGORIES, TIMER
+from hicache_lab.args import add_run_flags, config_from_args
 from hicache_lab.config import RunConfig
-from hicache_lab.entrypoints.args import add_run_flags, config_from_args
 from hicache_lab.entrypoints.report import WorldEnd, read_results
 from hicache_lab.lab.binders import run
 

@@ -34,7 +34,7 @@ if (
 ):
     signal.signal(signal.SIGINT, _interrupted_while_loading)  # until main() starts
 
-from .entrypoints.args import add_run_flags, config_from_args
+from .args import add_run_flags, config_from_args
 from .entrypoints.ending import Interrupted
 from .entrypoints.launch import run
 from .entrypoints.outdir import OutputError

@@ -99,6 +99,13 @@ class TinyModel:
         half = cfg.head_dim // 2
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(half, device=self.device) / half)
 
+    @staticmethod
+    def weight_bytes(cfg: ModelConfig, layers: int, tp_size: int = 1) -> float:
+        """What a model of `layers` layers (a TP rank's shard of each) holds: the embedding and the layers in the
+        dtype, the lm_head in fp32, and the one whole layer `_draw` holds at a time."""
+        d, v, layer = cfg.hidden_size, cfg.vocab_size, 4 * cfg.hidden_size**2 + 3 * cfg.hidden_size * cfg.mlp_size
+        return 4 * v * d + torch_dtype(cfg.dtype).itemsize * (v * d + layers * layer / tp_size + layer)
+
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         """A batch input on the model's device without waiting for the GPU: a blocking copy would make the CPU
         wait, at every layer, for the kernels queued before it (a layer's wait for its load among them)."""

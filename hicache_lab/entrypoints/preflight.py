@@ -17,16 +17,16 @@ from pathlib import Path
 
 import torch
 
+from ..args import FIELD_FLAGS
 from ..config import CacheConfig, RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
-from ..mem_cache.memory_pool import kv_bytes_per_token, torch_dtype
+from ..mem_cache.memory_pool import PageAllocator, kv_bytes_per_token, torch_dtype
 from ..mem_cache.mooncake_store import mooncake_missing
 from ..mem_cache.staging_ring import ring_bytes
-from .args import FIELD_FLAGS
+from ..model import TinyModel
 
 RANK_PROCESS_BYTES = 300e6  # a rank's process before it allocates: Python, torch and the lab (measured)
-PAGE_BOOKKEEPING_BYTES = 25  # a pool's allocator per page (PageAllocator): 3 int64 arrays and a bool one
 SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 MASTER_PROBE_S = 5.0  # how long a --mooncake-master may take to accept a connection
 
@@ -238,21 +238,20 @@ def uses_staging_ring(cfg: RunConfig) -> bool:
 
 
 def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
-    """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}.
+    """What the whole world allocates, roughly: {what: (bytes, the flags that size it, on the device)}, summed
+    from what each part says it holds where it can (the pools, their allocators, the model, the staging ring).
     Enough to refuse at start a world this machine cannot hold (entrypoints/launch.preflight); not a budget."""
     m, c, w, p = cfg.model, cfg.cache, cfg.workload, cfg.parallel
     ranks, stage = p.world_size, p.tp * p.cp  # ranks in all, ranks of one stage
     layers, heads = max(p.pp_layer_partition or [-(-m.num_layers // p.pp)]), m.num_heads // p.tp
-    dtype = torch_dtype(m.dtype)  # of the weights and the KV; lm_head and logits stay fp32 (model.py)
-    kv_only = kv_bytes_per_token(layers, heads, m.head_dim, dtype)
-    kv = kv_only + PAGE_BOOKKEEPING_BYTES / c.page_size  # per token
+    kv_only = kv_bytes_per_token(layers, heads, m.head_dim, torch_dtype(m.dtype))
+    kv = kv_only + PageAllocator.BYTES_PER_PAGE / c.page_size  # per token
     staging = ring_bytes(c.dma_chunk_mib << 20, kv_only, c.max_total_tokens) if uses_staging_ring(cfg) else 0
     host = c.hicache_size_gb * 1e9 if c.hicache_size_gb > 0 else c.max_total_tokens * c.hicache_ratio * kv
     host = host if c.enable_hierarchical_cache else 0.0  # (inf x 0 would be nan, and nan fits anywhere)
-    d, v, layer = m.hidden_size, m.vocab_size, 4 * m.hidden_size**2 + 3 * m.hidden_size * m.mlp_size
-    item = dtype.itemsize  # lm_head (fp32), then embeddings and a stage's shard (the dtype)
-    weights = ranks * (4 * v * d + item * (v * d + layers * layer / p.tp + layer))
-    weights += stage * (4 * v * d + item * (v * d + m.num_layers * layer)) if cfg.check_outputs else 0  # the oracle's
+    weights = ranks * TinyModel.weight_bytes(m, layers, p.tp)
+    weights += stage * TinyModel.weight_bytes(m, m.num_layers) if cfg.check_outputs else 0  # the oracle's models
+    v = m.vocab_size
     lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
     requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
     longest, chunk = max(lengths), min(cfg.scheduler.chunk_size or max(lengths), max(lengths))

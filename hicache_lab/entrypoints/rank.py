@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..args import FIELD_FLAGS
 from ..config import RunConfig
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import (
@@ -36,7 +37,6 @@ from ..mem_cache.build import KVShape, build_cache
 from ..mem_cache.hicache_storage import FileStorage, is_storage_writer, storage_suffix
 from ..mem_cache.mooncake_store import MooncakeStorage
 from ..model import TinyModel
-from .args import FIELD_FLAGS
 from .binders import Binder, RankParts
 from .ending import Interrupted, SignalGuard
 from .oracle import check_outputs

@@ -16,8 +16,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from ..args import add_run_flags, config_from_args
 from ..config import RunConfig
-from ..entrypoints.args import add_run_flags, config_from_args
 
 BENCH_RESULTS = Path("bench/results")  # the repository's results folder (bench/common.RESULTS), from its root
 WORKLOAD = (

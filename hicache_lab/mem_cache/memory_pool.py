@@ -29,6 +29,8 @@ class PageAllocator:
     the order given, so the same frees give the same slots on every rank. Both are vector operations on a ring
     of page ids (numpy: a tenth of torch's per-call overhead at these sizes); no Python loop runs per page."""
 
+    BYTES_PER_PAGE = 3 * 8 + 1  # its bookkeeping: `_ring`, `_order` and `_seen` (int64), `_is_free` (bool)
+
     def __init__(self, size: int, page_size: int, name: str):
         self.size, self.page_size, self.name = size, page_size, name
         pages = size // page_size

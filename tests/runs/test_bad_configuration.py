@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from hicache_lab.args import FLAGS, SECTIONS
 from hicache_lab.config import CacheConfig, ModelConfig, RunConfig, SchedulerConfig, WorkloadConfig
-from hicache_lab.entrypoints.args import FLAGS, SECTIONS
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.check.faults import FAULTS
 from hicache_lab.parallel_config import ParallelConfig

@@ -14,7 +14,7 @@ import argparse
 import signal
 from pathlib import Path
 
-from ...entrypoints.args import add_run_flags, config_from_args
+from ...args import add_run_flags, config_from_args
 from ...errors import ConfigError
 from ..sglang import releases
 from ..sglang.binder import SGLANG_CACHE

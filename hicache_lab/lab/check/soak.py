@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ...args import finite_float
 from ...config import PREFETCH_POLICIES, WRITE_POLICIES
-from ...entrypoints.args import finite_float
 from ...entrypoints.ending import Interrupted
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError

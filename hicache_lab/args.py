@@ -1,4 +1,5 @@
-"""The `run` flags: one table from flag to config field, defaults taken from the config dataclasses.
+"""The `run` flags (SGLang's `server_args.py`): one table from flag to config field, defaults taken from the
+config dataclasses.
 
 `add_run_flags` puts them on a parser; `config_from_args` turns parsed flags into a validated `RunConfig`.
 The CLI, the bug zoo, the presets and the benchmarks all read flags through here.
@@ -10,7 +11,7 @@ import argparse
 import math
 import operator
 
-from ..config import (
+from .config import (
     DTYPES,
     FAULT_KINDS,
     HOST_LAYOUTS,
@@ -26,7 +27,7 @@ from ..config import (
     SchedulerConfig,
     WorkloadConfig,
 )
-from ..parallel_config import PROPOSALS, SYNC_FIXES, SYNC_MODES, ParallelConfig
+from .parallel_config import PROPOSALS, SYNC_FIXES, SYNC_MODES, ParallelConfig
 
 
 def finite_float(text: str) -> float:
