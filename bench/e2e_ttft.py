@@ -159,8 +159,7 @@ class HostPoolOnDevice(Binder):
         controller = parts.cache.controller
         host, device = controller.host_pool, controller.device_pool.device
         if host.kv.device != device:
-            host.kv = host.kv.to(device)
-            host._kv_for_kernels = host.kv  # the address copy kernels use: now the device's own memory
+            host.move_to(device)
         return None
 
 

@@ -59,6 +59,7 @@ from bench.radix_sglang import probe_sglang
 from hicache_lab.config import ModelConfig, WorkloadConfig
 from hicache_lab.lab.sglang.cpu import sglang_version
 from hicache_lab.managers.workload import MultiTurnWorkload
+from hicache_lab.mem_cache.utils import match_key
 
 # -- the keys -------------------------------------------------------------------------------------------
 
@@ -80,7 +81,7 @@ def conversation_sequences(cfg: WorkloadConfig, vocab_size: int, seed: int) -> l
 def build_key_stream(sequences: list[tuple[list[int], list[int]]], page_size: int) -> KeyStream:
     stream, next_slot = KeyStream(page_size, [], [], []), 0
     for prompt, output in sequences:
-        stream.match_keys.append(tuple(prompt[: (len(prompt) - 1) // page_size * page_size]))
+        stream.match_keys.append(match_key(prompt, page_size))
         full = prompt + output
         key = tuple(full[: len(full) // page_size * page_size])
         stream.insert_keys.append(key)

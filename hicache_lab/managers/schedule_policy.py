@@ -15,7 +15,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 from ..mem_cache.base import BasePrefixCache
-from ..mem_cache.utils import page_floor
+from ..mem_cache.utils import page_ceil, page_floor
 from .schedule_batch import Req
 
 CLIP_MAX_NEW_TOKENS = 4096  # SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION
@@ -48,11 +48,6 @@ class NewTokenRatio:
         decoded = sum(len(r.output) for r in kept)
         budget = sum(r.max_new_tokens for r in kept)
         self.current = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / (budget + 1))
-
-
-def ceil_pages(tokens: int, page_size: int) -> int:
-    """`tokens` rounded up to whole pages (SGLang's `ceil_paged_tokens`)."""
-    return -(-tokens // page_size) * page_size
 
 
 def remaining_output(req: Req) -> int:
@@ -93,7 +88,7 @@ class PrefillAdder:
         return AddReqResult.CONTINUE
 
     def _reserve(self, extend: int, max_new: int) -> None:
-        extend = ceil_pages(extend, self.page_size)
+        extend = page_ceil(extend, self.page_size)
         self.total_offset += extend + self.page_size + max_new
         self.current_offset += extend + self.page_size
         self.rem_input_tokens -= extend
@@ -147,7 +142,7 @@ class PrefillAdder:
         """SGLang's `_select_prefill_admission`: None (and `req.extend_end` set) if a prefill from `prefix_len`
         fits, else why not."""
         ps = self.page_size
-        input_tokens = ceil_pages(len(req.fill_ids) - prefix_len, ps)
+        input_tokens = page_ceil(len(req.fill_ids) - prefix_len, ps)
         if not total < self.rem_total_tokens():
             return AddReqResult.NO_TOKEN
         if self.rem_chunk_tokens is None and self.can_run and input_tokens >= self.rem_input_tokens:

@@ -23,10 +23,10 @@ import torch
 
 from ..errors import PoolExhaustedError, StallError
 from ..mem_cache.base import BasePrefixCache
-from ..mem_cache.utils import match_key, page_floor
+from ..mem_cache.utils import match_key, page_ceil, page_floor, page_full
 from ..model import ForwardBatch
 from .schedule_batch import Batch, Req
-from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder, ceil_pages
+from .schedule_policy import RETRACT_DECODE_STEPS, AddReqResult, NewTokenRatio, PrefillAdder
 
 STALL_STEPS, STALL_S = 1000, 10.0  # idle steps (and seconds) without an ack consumed before a run is stalled
 STORAGE_STALL_S = 60.0  # seconds a store may leave every waiting request unanswered before the run is stalled
@@ -191,7 +191,7 @@ class Scheduler:
     def _prefill(self, batch: list[Req]) -> ForwardBatch:
         """Start the batch's loads, then allocate its extend slots (SGLang's `prepare_for_extend`)."""
         load_event = self.cache.start_loading()
-        need = [ceil_pages(r.extend_end, self.page_size) - len(r.slots) for r in batch]
+        need = [page_ceil(r.extend_end, self.page_size) - len(r.slots) for r in batch]
         extend = [r.extend_end - r.kv_len for r in batch]
         demand = sum(extend) + len(batch) * self.page_size if self.page_size > 1 else sum(need)
         new = self.cache.alloc_device(sum(need), demand).split(need)
@@ -213,7 +213,7 @@ class Scheduler:
 
     def _new_decode_tokens(self, reqs: list[Req]) -> int:
         """Slots the next decode step allocates: a page for each request whose last page is full."""
-        return sum(self.page_size for r in reqs if r.kv_len % self.page_size == 0)
+        return sum(self.page_size for r in reqs if page_full(r.kv_len, self.page_size))
 
     def _update_running_batch(self, ready: list[Req]) -> list[Req]:
         """SGLang's `update_running_batch`: when even eviction cannot free the step's slots, retract requests
@@ -252,7 +252,7 @@ class Scheduler:
         need = self._new_decode_tokens(reqs)
         new = iter(self.cache.alloc_device(need, len(reqs) * self.page_size).split(self.page_size) if need else ())
         for req in reqs:
-            if req.kv_len % self.page_size == 0:
+            if page_full(req.kv_len, self.page_size):
                 req.slots = torch.cat([req.slots, next(new)])
         forward = ForwardBatch(
             tokens=torch.tensor([r.output[-1] for r in reqs]),

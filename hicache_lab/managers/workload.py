@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from ..config import WorkloadConfig
-from ..mem_cache.utils import match_key, page_floor, page_hashes
+from ..mem_cache.utils import match_key, page_hashes, whole_pages
 from ..mooncake_trace import read_mooncake_trace
 from .schedule_batch import Req
 
@@ -116,7 +116,7 @@ class InfiniteCache:
 
     def add(self, req: Req, tokens: list[int] | None = None) -> None:
         tokens = (req.prompt + req.output)[: req.kv_len] if tokens is None else tokens  # those with K/V
-        self.seen.update(page_hashes(tuple(tokens[: page_floor(len(tokens), self.page_size)]), self.page_size))
+        self.seen.update(page_hashes(whole_pages(tokens, self.page_size), self.page_size))
 
 
 class Feeder:

@@ -4,6 +4,14 @@ In the style of mini-sglang's `kvcache/base.py`. The copy and storage contracts 
 and backends are unrelated classes that all keep them; they are `runtime_checkable`, and
 tests/mem_cache/test_contracts.py checks each with `isinstance`); the prefix cache is an abstract base class that
 `RadixCache` (device only) and `HiRadixCache` (with the host tier) extend, and all that the scheduler calls.
+
+Hook points: a binder (entrypoints/binders.py) may wrap these, per instance, and the core calls them through
+`self` so that the wrapper is what runs: `HiRadixCache.allocate` (a copy's slots on this rank),
+`HiRadixCache.writing_check` (`--sync-impl writing_check`), `HiCacheController.write_job` (a host write's
+per-layer copies), `FileStorage.batch_get` (a storage read), `Scheduler.schedule` (one step's batch),
+`StageLoop.on_iteration` (callables run as each iteration begins) and `CacheSync._pp_sync` / `_attn_groups`
+(`--sync-impl`). The faults (lab/check/faults.py) and the `--sync-impl` slots (lab/teach/sync_impl.py) bind
+nothing else.
 """
 
 from __future__ import annotations

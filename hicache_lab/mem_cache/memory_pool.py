@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .utils import page_ceil
+
 POISON = float("nan")  # what a slot holds while a copy into it is still in flight (virtual latency)
 
 
@@ -46,7 +48,7 @@ class PageAllocator:
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Slots for `num_tokens` rounded up to whole pages, or None when there is no room."""
-        pages = -(-num_tokens // self.page_size)
+        pages = page_ceil(num_tokens, self.page_size) // self.page_size
         if pages > self._count:
             return None
         ring, head, end = self._ring, self._head, self._head + pages

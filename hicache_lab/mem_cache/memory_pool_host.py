@@ -55,6 +55,11 @@ class HostKVPool:
             self._ring = StagingRing(dma_chunk_bytes, self.bytes_per_token, device_pool.size, helper)
             self._compile_copy_kernels(device_pool)
 
+    def move_to(self, device: torch.device) -> None:
+        """Hold the pool's bytes in `device`'s memory instead (a bound on copies that never cross PCIe): copies
+        between the pools then stay inside that device."""
+        self.kv = self._kv_for_kernels = self.kv.to(device)
+
     def _compile_copy_kernels(self, device_pool: DeviceKVPool) -> None:
         """Launch each copy kernel `copy_layers` may launch (a backup of every layer, a load of one) before
         anything is cached: it compiles now, not in the middle of the first load (1.7 s on an H200). Triton

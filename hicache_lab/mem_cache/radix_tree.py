@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .tree_node import TreeNode
-from .utils import Key, page_floor, page_hashes
+from .utils import Key, page_floor, page_hashes, whole_pages
 
 
 def lru_order(nodes: Iterable[TreeNode]) -> list[tuple[int, int, TreeNode]]:
@@ -129,7 +129,7 @@ class RadixTree:
                 lo = mid
             else:
                 hi = mid
-        return lo - lo % self.page_size
+        return page_floor(lo, self.page_size)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Cut `child` after `n` tokens; the new upper node inherits its locks, protection and hits. Neither half
@@ -195,7 +195,7 @@ class RadixTree:
 
     def match_prefix(self, key: Key) -> MatchResult:
         """Longest page-aligned match of `key`."""
-        path, _ = self._walk(key[: page_floor(len(key), self.page_size)], self.root)
+        path, _ = self._walk(whole_pages(key, self.page_size), self.root)
         if not path:  # a miss: nothing more to look at
             return MatchResult(self.root.value, self.root, self.root, 0)
         node = last_host_node = path[-1]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ...config import CacheConfig
 from ...mem_cache.build import one_rank_cache
-from ...mem_cache.utils import page_floor
+from ...mem_cache.utils import whole_pages
 
 
 class OneRank:
@@ -42,7 +42,7 @@ class OneRank:
 
     def serve(self, tokens: list[int]) -> dict[str, int]:
         """Serve one request whose whole sequence is `tokens` (page-aligned); how its tokens were found."""
-        key = tuple(tokens[: page_floor(len(tokens), self.cfg.page_size)])
+        key = whole_pages(tokens, self.cfg.page_size)
         match = self.cache.match_prefix(key)
         self.cache.inc_lock_ref(match.last_device_node)
         prefix, last = self.cache.lock_match(match)  # loads back what only the host holds
