@@ -45,5 +45,5 @@ def suite(checkout: Path) -> ModuleType:
 
 
 def cmd_hostile(args: argparse.Namespace) -> int:
-    """Every hostile-input case, or with `--table` the README's table of them (tests/hostile/command.py)."""
+    """Every hostile-input case, or with `--table` their table (tests/hostile/command.py does either)."""
     return suite(CHECKOUT).cmd_hostile(args)
