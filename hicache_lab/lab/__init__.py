@@ -5,8 +5,8 @@
 * `sglang/` - SGLang 0.5.23 as the reference: importing it on CPU (`cpu`), its own cache driven by the lab's
   scheduler (`cache`), the cache-op recorder (`recording`), the conformance replay (`conformance`), its source
   and bench_multiturn logs beside the lab's (`source`);
-* `check/` - what shows the lab is right: faults (`faults`), the bug zoo (`zoo`), the soak (`soak`), the
-  exhaustive timings (`exhaustive`), hostile input (`hostile/`);
+* `check/` - what shows the lab is right: faults (`faults`), the bug zoo (`zoo`), the soak (`soak`, and
+  hostile input from a source checkout's tests/hostile/), the exhaustive timings (`exhaustive`);
 * `teach/` - what a student runs: the tour (`tour`), the causal chain (`chain`), `--sync-impl` (`sync_impl`)
   and its audit (`sync_audit`), the exercise and its check (`exercise`);
 * `figures/` - the figures, one module per family, and `python -m hicache_lab figures` (`regenerate`);

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from hicache_lab.lab.check.hostile.judge import processes
+from hicache_lab.lab.check.soak_signals import processes
 from hicache_lab.mem_cache.mooncake_store import mooncake_missing
 
 NETNS_SETUP = (

@@ -1,6 +1,6 @@
 """Bad configuration fails at start with a message that names what to change: every config dataclass, field by
 field, and the values no flag type stops. A refusal that a fast class-10 hostile case checks through the CLI
-(tests/runs/test_hostile.py: exit code, message, no file touched) is not repeated here."""
+(tests/hostile/test_hostile.py: exit code, message, no file touched) is not repeated here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Bad input files are refused field by field, naming the file, the line and the field: Mooncake traces
 (`--trace-file`) and SGLang bench_multiturn logs (`--compare-sglang`). A refusal that a fast class-10 hostile
-case checks through the CLI (tests/runs/test_hostile.py: exit code, message, no file touched) is not repeated
+case checks through the CLI (tests/hostile/test_hostile.py: exit code, message, no file touched) is not repeated
 here."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the configuration alone cannot check is refused before any rank starts, naming what to change: this
 machine's memory, directories that cannot be written, stale torchrun variables, Mooncake where it cannot run,
 and the exhaustive check's work past its bound. A refusal that a fast class-10 hostile case checks through the
-CLI (tests/runs/test_hostile.py: exit code, message, no file touched) is not repeated here."""
+CLI (tests/hostile/test_hostile.py: exit code, message, no file touched) is not repeated here."""
 
 from __future__ import annotations
 

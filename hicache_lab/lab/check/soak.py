@@ -24,7 +24,7 @@ did. A run is counted as
 * a **divergence** if ranks consumed different acks, ran different batches or hold different trees,
 * an **output mismatch** if a served request's logits or tokens differ from a from-scratch computation.
 
-`--hostile` runs the hostile-input cases (lab/check/hostile/, `cmd_hostile`) instead, the slow ones too.
+`--hostile` runs the hostile-input cases instead, the slow ones too (a source checkout's tests/hostile/: soak_hostile).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 from ...parallel_config import PROPOSALS, SYNC_MODES
 from ..presets import BENCH_RESULTS, WORLD
-from .hostile.command import add_hostile_flags, cmd_hostile
+from .soak_hostile import add_hostile_flags, cmd_hostile
 from .soak_results import OUTCOMES, is_true, read_rows, write_table
 from .soak_signals import interrupt, pause
 

@@ -1,16 +1,56 @@
 """What the soak does to a case while it runs (soak.py): stop one rank for a while (`pause`: SIGSTOP, then
 SIGCONT), or interrupt the whole run as Ctrl-C would (`interrupt`: SIGINT to its process group). Each waits
-for the case's ranks first and says in words what happened."""
+for the case's ranks first (`forked_ranks`: a launcher's rank processes, found in /proc, as the hostile-input
+suite in tests/hostile/ finds them too) and says in words what happened."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
-from .hostile.common import forked_ranks
+
+def processes(match: Callable[[list[str]], bool]) -> dict[int, str]:
+    """{pid: command line} of every live process whose /proc/PID/stat fields after the command name (state,
+    ppid, pgrp, session, ...) satisfy `match` (Linux)."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            if fields[0] != "Z" and match(fields):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+        except (OSError, ValueError, IndexError):
+            continue  # it ended while being read
+    return found
+
+
+def _started(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
+
+
+def children(pid: int, word: str = "") -> list[int]:
+    """The live children of `pid` whose command line holds `word`, first started first."""
+    found = [p for p, command in processes(lambda f: int(f[1]) == pid).items() if word in command]
+    with contextlib.suppress(OSError):
+        return sorted(found, key=_started)
+    return []
+
+
+def forked_ranks(launcher: int) -> list[int]:
+    """The live rank processes of a launcher, first started first: its fork server's children (the server is the
+    launcher's child: launch.rank_processes)."""
+    found = [rank for server in children(launcher, "multiprocessing.forkserver") for rank in children(server)]
+    with contextlib.suppress(OSError):
+        return sorted(found, key=_started)
+    return []
 
 
 def rank_pids(launcher: int, ranks: int, own_process: bool) -> list[int]:

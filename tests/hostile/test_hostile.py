@@ -1,4 +1,4 @@
-"""Hostile input (lab/check/hostile/): every fast case ends as it must, each class has a file of its own, the
+"""Hostile input (this folder): every fast case ends as it must, each class has a file of its own, the
 preflight refusals run in this process (all but one) and what they leave behind is found, and the README's table
 is the cases'."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from hicache_lab.lab.check.hostile import judge as judge_module
-from hicache_lab.lab.check.hostile.cases import BY_CLASS, CASES
-from hicache_lab.lab.check.hostile.judge import CLASSES, Hostile, Outcome, judge, judge_all, run_in_process, table
+from . import judge as judge_module
+from .cases import BY_CLASS, CASES
+from .judge import CLASSES, Hostile, Outcome, judge, judge_all, run_in_process, table
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

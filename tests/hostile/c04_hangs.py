@@ -9,7 +9,8 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from ...sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+
 from .common import (
     ONE_RANK,
     OUT,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+
 from .common import STORE, R
 from .judge import Hostile, Outcome, run_cli
 

@@ -9,8 +9,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from ...presets import WORLD
-from ...sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.presets import WORLD
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+
 from .common import OUT, USER_CODE, user_code
 from .judge import Hostile, Outcome, run_cli
 
@@ -25,7 +26,7 @@ def _exercise_interrupted(scratch: Path) -> Outcome:
     """Ctrl-C (SIGINT) as the check's second world starts, the one that would show the mistake: the check is
     interrupted (130) and never passes. Where the world showed the mistake before the signal came (it takes a
     second; a busy machine can be slower to send it), FAILED is the right verdict too, and counts as 130."""
-    answer = Path(__file__).resolve().parents[4] / WRONG.partition(":")[0]
+    answer = Path(__file__).resolve().parents[2] / WRONG.partition(":")[0]
 
     def during(proc: subprocess.Popen) -> None:
         marker = scratch / "out" / "world1" / ".hicache_lab_run"
@@ -48,7 +49,7 @@ CASES = [
         _exercise_interrupted,
         128 + signal.SIGINT,
         "PP=3: ",  # "could not judge: interrupted by SIGINT ...", or the mistake it showed before the signal
-        needs=lambda: None if (Path(__file__).resolve().parents[4] / "teaching").is_dir() else "no teaching/ here",
+        needs=lambda: None if (Path(__file__).resolve().parents[2] / "teaching").is_dir() else "no teaching/ here",
     ),
     Hostile(
         11,

@@ -1,5 +1,6 @@
 """`python -m hicache_lab soak --hostile`: every hostile-input case, the slow ones too, and a table of what
-failed; `--table` prints the README's table instead (soak.py parses the flags and calls `cmd_hostile`)."""
+failed; `--table` prints the README's table instead (the package's lab/check/soak_hostile.py parses the flags,
+finds this file in the source checkout and calls `cmd_hostile`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,6 @@ from pathlib import Path
 
 from .cases import CASES
 from .judge import judge_all, table
-
-
-def add_hostile_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--hostile", action="store_true", help="run every hostile-input case (lab/check/hostile/) instead"
-    )
-    parser.add_argument("--table", action="store_true", help="with --hostile: print the README's table, run nothing")
 
 
 def cmd_hostile(args: argparse.Namespace) -> int:

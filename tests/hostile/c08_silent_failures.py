@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...presets import WORKLOAD, WORLD
-from ...sglang.cpu import SGLANG_VERSION, sglang_version
+from hicache_lab.lab.presets import WORKLOAD, WORLD
+from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
+
 from .common import ONE_RANK, USER_CODE, cli, user_code
 from .judge import Hostile, Outcome, run_cli
 

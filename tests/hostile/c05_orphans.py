@@ -9,10 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from ....mem_cache.mooncake_store import mooncake_missing
-from ...presets import WORLD
+from hicache_lab.lab.check.soak_signals import processes
+from hicache_lab.lab.presets import WORLD
+from hicache_lab.mem_cache.mooncake_store import mooncake_missing
+
 from .common import SMALL, USER_CODE, WORLD2, children, no_traceback, ranks, running, signalled, user_code
-from .judge import LINGER_S, Hostile, Outcome, processes, run_cli
+from .judge import LINGER_S, Hostile, Outcome, run_cli
 
 
 def _master_killed(scratch: Path) -> Outcome:

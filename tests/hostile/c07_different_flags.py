@@ -8,8 +8,9 @@ import threading
 import time
 from pathlib import Path
 
-from ....entrypoints.mooncake_master import free_ports
-from ...presets import WORLD
+from hicache_lab.entrypoints.mooncake_master import free_ports
+from hicache_lab.lab.presets import WORLD
+
 from .judge import Hostile, Outcome, run_cli
 
 TWO_STAGES = ["run", *WORLD.split(), "--pp", "2", "--num-rounds", "3", "--collective-timeout", "20"]

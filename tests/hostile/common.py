@@ -7,7 +7,6 @@ a refusal at start (`refusal`), and the processes of a world found and signalled
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,8 +19,10 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from ...presets import WORLD
-from .judge import CLEAN_ENV, Hostile, Outcome, processes, reap_session, run_cli, run_in_process
+from hicache_lab.lab.check.soak_signals import children, forked_ranks
+from hicache_lab.lab.presets import WORLD
+
+from .judge import CLEAN_ENV, Hostile, Outcome, reap_session, run_cli, run_in_process
 
 R = [
     *("run", "--num-clients", "4", "--num-rounds", "3", "--enable-hierarchical-cache"),
@@ -168,27 +169,6 @@ def user_code(*args: str, top: str = ""):
 
 
 # -- the processes of a world ---------------------------------------------------------------------------------
-
-
-def _started(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[19])
-
-
-def children(pid: int, word: str = "") -> list[int]:
-    """The live children of `pid` whose command line holds `word`, first started first."""
-    found = [p for p, command in processes(lambda f: int(f[1]) == pid).items() if word in command]
-    with contextlib.suppress(OSError):
-        return sorted(found, key=_started)
-    return []
-
-
-def forked_ranks(launcher: int) -> list[int]:
-    """The live rank processes of a launcher, first started first: its fork server's children (the server is the
-    launcher's child: launch.rank_processes)."""
-    found = [rank for server in children(launcher, "multiprocessing.forkserver") for rank in children(server)]
-    with contextlib.suppress(OSError):
-        return sorted(found, key=_started)
-    return []
 
 
 def ranks(proc: subprocess.Popen, count: int = 2) -> list[int]:

@@ -11,8 +11,8 @@ scratch directory of its own, which holds a user's files beside the run, and is 
 * **outputs exact** where the run completes (`exact`: its summary's oracle says every output matches).
 
 The cases live in `c01_*.py` ... `c11_*.py` beside this file, one per class (`CLASSES`), gathered in
-`cases.py`; `make test` runs the fast ones (tests/runs/test_hostile.py), `python -m hicache_lab soak --hostile`
-all of them (`command.py`), and the README's table is `table()` of them (a test keeps the two equal).
+`cases.py`; `make test` runs the fast ones (tests/hostile/test_hostile.py), `python -m hicache_lab soak --hostile`
+all of them (`command.py`), and `soak --hostile --table` prints `table()` of them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from hicache_lab.lab.check.soak_signals import processes
 
 LINGER_S = 5.0  # how long a case's processes may outlive its launcher before they count as left behind
 USER_FILES = {"rank0.json": '{"mine": true}\n', "notes.txt": "a user's notes\n"}  # beside every case's run
@@ -173,23 +175,6 @@ def _tasks() -> int:
 
 def _children_of_this_process() -> dict[int, str]:
     return processes(lambda f: int(f[1]) == os.getpid())
-
-
-def processes(match: Callable[[list[str]], bool]) -> dict[int, str]:
-    """{pid: command line} of every live process whose /proc/PID/stat fields after the command name (state,
-    ppid, pgrp, session, ...) satisfy `match` (Linux)."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if fields[0] != "Z" and match(fields):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
-        except (OSError, ValueError, IndexError):
-            continue  # it ended while being read
-    return found
 
 
 def reap_session(sid: int) -> list[str]:

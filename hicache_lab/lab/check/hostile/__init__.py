@@ -1,5 +1,0 @@
-"""Hostile input: what an adversarial user runs and what the lab must answer. The judge (`judge`), what the
-cases share (`common`), one file per class (judge.CLASSES names them): `c01_foreign_model`, `c02_misnamed_pages`,
-`c03_damaged_stage`, `c04_hangs`, `c05_orphans`, `c06_mixed_files`, `c07_different_flags`,
-`c08_silent_failures`, `c09_blame`, `c10_preflight`, `c11_verdicts`; every case gathered (`cases`), and `soak
---hostile` (`command`)."""
