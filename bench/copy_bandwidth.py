@@ -8,7 +8,7 @@ page runs, or by one UVA index kernel for every layer; a load by one UVA kernel 
 scattered (random page order on both sides), as in a pool after churn. The ceiling is a plain `copy_` of
 the same byte count between one contiguous device tensor and one pinned host tensor. Two figures each: one
 batch on an idle GPU (its CPU-side preparation shows), and 8 batches back to back (the preparation of one
-overlaps the copy of the one before, as when a scheduler writes many nodes through). Targets (issue 32):
+overlaps the copy of the one before, as when a scheduler writes many nodes through). Targets:
 every layout and page size >= 0.90x the ceiling for one batch, >= 0.95x for 8 in a row.
 
 `--kernel-shapes` then times the loads again with the copy kernel launched on other shapes: thread blocks

@@ -62,9 +62,9 @@ class HostKVPool:
 
     def _compile_copy_kernels(self, device_pool: DeviceKVPool) -> None:
         """Launch each copy kernel `copy_layers` may launch (a backup of every layer, a load of one) before
-        anything is cached: it compiles now, not in the middle of the first load (1.7 s on an H200). Triton
-        compiles a variant for counts that are multiples of 16 and one for others: both, each a round trip of the
-        first slots, which leaves the device pool as it was."""
+        anything is cached: it compiles now, not in the middle of the first load, whose TTFT it would stall.
+        Triton compiles a variant for counts that are multiples of 16 and one for others: both, each a round trip
+        of the first slots, which leaves the device pool as it was."""
         for n in (16, 15):
             if n <= min(self.size, device_pool.size):
                 slots = torch.arange(n, device=device_pool.device)

@@ -7,11 +7,10 @@ Two mechanisms, each used where it is fast (`bench/copy_bandwidth.py` measures b
   once per copy, by one vector operation (`dma_runs`). The device side of a run is gathered into the host layout
   on a helper stream by a strided copy, through a bounded ring of staging chunks (staging_ring.py), so the gather
   of one chunk overlaps the DMA of the one before. The DMAs go straight to the CUDA runtime (`cudaMemcpyAsync`
-  through ctypes): less CPU time per call than `copy_` (measured on an H200: about 14 against 17 µs), which
-  matters because the scheduler's thread issues them. Where that library is not loaded, UVA does the copy.
-  Nothing waits for a backup's layers one by one, so the whole job is one step. Loads do not go by DMA: a DMA
-  moves every layer of a token at once, so layer 0's attention would wait for the last layer's bytes (measured
-  on an H200, bench/e2e_ttft.py, fp32: cut/overlap 0.89 by DMA, 0.94 by kernel, layer by layer).
+  through ctypes): less CPU time per call than `copy_` (BENCHMARKS.md), which matters because the scheduler's
+  thread issues them. Where that library is not loaded, UVA does the copy. Nothing waits for a backup's layers
+  one by one, so the whole job is one step. Loads do not go by DMA: a DMA moves every layer of a token at once,
+  so layer 0's attention would wait for the last layer's bytes (BENCHMARKS.md compares the two end to end).
 * **GPU loads and stores through UVA** (every load, and the other backups): pinned host memory has a device
   address, so a kernel reads or writes the host pool directly, one launch per layer for a load (so that a
   prefill can wait for its layers one by one) and one for every layer of a backup, whatever the page size or

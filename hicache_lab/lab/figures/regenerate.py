@@ -1,5 +1,5 @@
-"""`python -m hicache_lab figures`: every figure of the README from live runs (and the benchmark CSV), into
-runs/figures; `--out figures` regenerates the committed ones.
+"""`python -m hicache_lab figures`: every committed figure (the README's and the docs') from live runs (and
+the benchmark CSV), into runs/figures; `--out figures` regenerates the committed ones.
 
 * pp_queue_divergence.png - acks each PP stage consumed, step by step, legacy vs fixed (PP=2)
 * hit_rate_by_round.png   - L1 only, L1 + L2 legacy, L1 + L2 fixed (PP=2), against the infinite-cache bound
