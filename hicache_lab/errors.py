@@ -43,7 +43,7 @@ def require_choice(value: str, choices: tuple[str, ...], flag: str) -> None:
 
 def require_numbers(section: object) -> None:
     """Every `int` field holds an integer (not a bool) and every `float` field a finite number. The flags' types
-    ensure it on the command line (entrypoints/args.py); this refuses a config built in Python, by field name
+    ensure it on the command line (args.py); this refuses a config built in Python, by field name
     (nan passes every `>=` check below)."""
     for f in fields(section):
         value, name = getattr(section, f.name), f"{type(section).__name__}.{f.name}"
