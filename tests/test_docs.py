@@ -37,7 +37,7 @@ BUDGETS = {
     "docs/checks.md": 250,
     "docs/fidelity.md": 200,
     "docs/architecture.md": 350,
-    "BENCHMARKS.md": 350,
+    "BENCHMARKS.md": 360,
 }
 # The core the README states the size of: the cache, its agreement, the scheduler and the model
 CORE = ("hicache_lab/mem_cache", "hicache_lab/distributed", "hicache_lab/managers", "hicache_lab/model.py")
