@@ -39,7 +39,7 @@ from .entrypoints.ending import Interrupted
 from .entrypoints.launch import run
 from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate
-from .entrypoints.torchrun import run_under_torchrun
+from .entrypoints.torchrun import TORCHRUN_VARIABLES, run_under_torchrun, started_by_torchrun
 from .errors import ConfigError
 from .lab.binders import LAB
 from .lab.check.compare_cli import add_compare_flags, cmd_compare
@@ -51,45 +51,10 @@ from .lab.figures.hit_rates import plot_hit_rates
 from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.figures.releases import add_releases_flags, cmd_releases
+from .lab.sglang.bench_log import read_bench_multiturn
 from .lab.sglang.conformance import add_conform_flags, cmd_conform
-from .lab.sglang.source import read_bench_multiturn
 from .lab.teach.edition import add_edition_flags, cmd_edition
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
-
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def started_by_torchrun(environ: dict[str, str]) -> bool:
-    """Whether this process is one rank of a world torchrun started: RANK < WORLD_SIZE (> 1), MASTER_ADDR and
-    MASTER_PORT set. With neither RANK nor WORLD_SIZE it runs a world of its own. Anything between (an `export`
-    left in a shell, a typo) is a ConfigError naming the variables: guessing either way would hang or mislead."""
-    if "RANK" not in environ and "WORLD_SIZE" not in environ:
-        return False
-
-    def integer(name: str) -> int | None:
-        try:
-            return int(environ[name])
-        except (KeyError, ValueError):
-            return None
-
-    rank, world, port = integer("RANK"), integer("WORLD_SIZE"), integer("MASTER_PORT")
-    if "RANK" not in environ or "WORLD_SIZE" not in environ:
-        problem = f"{'WORLD_SIZE' if 'RANK' in environ else 'RANK'} is missing"
-    elif world is None or world < 1:
-        problem = "WORLD_SIZE is not a positive integer"
-    elif rank is None or not 0 <= rank < world:
-        problem = f"RANK is not an integer in 0..{world - 1} (WORLD_SIZE {world})"
-    elif world > 1 and not environ.get("MASTER_ADDR"):
-        problem = "MASTER_ADDR is missing"
-    elif world > 1 and (port is None or not 1 <= port <= 65535):
-        problem = "MASTER_PORT is not a port number"
-    else:
-        return world > 1
-    seen = ", ".join(f"{name}={environ[name]!r}" for name in TORCHRUN_VARIABLES if name in environ)
-    raise ConfigError(
-        f"the environment says this is a torchrun rank, but {problem} ({seen}): to run on its own, "
-        f"unset {' '.join(TORCHRUN_VARIABLES)}; or start it under torchrun"
-    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ...config import CacheConfig
 from ...errors import ConfigError
-from ...mooncake_trace import read_jsonl
+from ...jsonl import read_jsonl
 from .cache import SGLangCache
 from .completion import AgreedCompletion
 from .cpu import SGLANG_VERSION
