@@ -37,7 +37,7 @@ from ...entrypoints.launch import run
 from ...errors import ConfigError
 from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
-from ..presets import WORLD, config
+from ..presets import WORLD, World, config
 from .explain import (
     audit_lines,
     crash_kind,
@@ -54,12 +54,6 @@ from .sync_impl import SYNC_IMPLS
 STORAGE = (
     "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
 )
-
-
-@dataclass(frozen=True)
-class World:
-    name: str
-    flags: str
 
 
 WORLDS = (

@@ -66,7 +66,7 @@ class RoundHits:
 
 
 @dataclass
-class Difference:
+class OpDifference:
     index: int  # operation number in the file (0 = the first operation after the configuration)
     op: str
     what: str
@@ -85,7 +85,7 @@ class Replay:
     replayed: int = 0
     lab: list[RoundHits] = field(default_factory=list)
     sglang: list[RoundHits] = field(default_factory=list)
-    differences: list[Difference] = field(default_factory=list)
+    differences: list[OpDifference] = field(default_factory=list)
     stopped: str | None = None  # why the replay could not go on (SGLang refused an operation the lab did)
     fault: str = ""  # the --fault the run was recorded with: it, not the lab, explains the differences
 
@@ -106,7 +106,7 @@ class _Replayer:
         self.result = Replay()
 
     def differ(self, index: int, op: str, what: str, lab, sglang) -> None:
-        self.result.differences.append(Difference(index, op, what, lab, sglang))
+        self.result.differences.append(OpDifference(index, op, what, lab, sglang))
 
     def to_sglang(self, slots: list[int]) -> torch.Tensor:
         missing = [s for s in slots if s not in self.slots]
