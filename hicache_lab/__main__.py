@@ -52,7 +52,7 @@ from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.figures.releases import add_releases_flags, cmd_releases
 from .lab.sglang.bench_log import read_bench_multiturn
-from .lab.sglang.replay import add_conform_flags, cmd_conform
+from .lab.sglang.conform_cli import add_conform_flags, cmd_conform
 from .lab.teach.edition import add_edition_flags, cmd_edition
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
 
