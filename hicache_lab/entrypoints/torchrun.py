@@ -81,8 +81,8 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         store = partial(env_store, rank, world, cfg.parallel.collective_timeout_s)
         result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
         if rank != 0:
-            if not result["completed"]:
-                os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
+            if not result["completed"]:  # peers may be blocked on us: torchrun stops them
+                os._exit(exit_code(result.get("interrupted"), ok=False))
             return None
         cut_short = _await_peers(cfg, out_dir, result, end)
         end.interrupted = result.get("interrupted") or cut_short

@@ -26,14 +26,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import multiprocessing
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import RunConfig
 from ...entrypoints.ending import Interrupted
-from ...entrypoints.launch import run
+from ...entrypoints.launch import exit_code, run
 from ...errors import ConfigError
 from ...parallel_config import SYNC_IMPL_SLOTS
 from ..check.faults import FAULTS
@@ -116,9 +115,7 @@ class Verdict:
     @property
     def exit_code(self) -> int:
         """0 passed, 1 failed or could not judge, 128 + signal interrupted (as `run`'s)."""
-        if self.interrupted:
-            return 128 + signal.Signals[self.interrupted]
-        return 0 if self.ok and self.judged else 1
+        return exit_code(self.interrupted, self.ok and self.judged)
 
 
 def spec_of(slot: str, value: str | Callable) -> str:
