@@ -53,7 +53,7 @@ class Link:
 
 def _by_step(rows: list[dict]) -> tuple[list[int], Steps]:
     ranks = sorted({r["rank"] for r in rows})
-    steps: dict[int, dict[int, dict]] = {}
+    steps: Steps = {}
     for r in rows:
         steps.setdefault(r["step"], {})[r["rank"]] = r
     common = {s: v for s, v in steps.items() if len(v) == len(ranks)}  # steps every stage recorded
