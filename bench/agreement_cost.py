@@ -71,9 +71,9 @@ import pandas as pd
 import torch.distributed as dist
 
 from bench.agreement_primitives import measure_primitives
-from bench.agreement_report import report_primitives, spread
+from bench.agreement_report import report_primitives, report_step_times
 from bench.agreement_tables import HEADER, print_tables
-from bench.common import RESULTS, code_state, machine_info, ratio, usable_cpus, write_csv
+from bench.common import RESULTS, code_state, machine_info, usable_cpus, write_csv
 from hicache_lab.args import add_run_flags, config_from_args
 from hicache_lab.config import RunConfig
 from hicache_lab.lab.binders import run
@@ -165,57 +165,6 @@ def measure_step_times(base: RunConfig, modes: list[str], repeats: int) -> tuple
     return rows, means
 
 
-def report_step_times(means: dict, rows: list[dict], modes: list[str], world: int) -> dict:
-    summary: dict = {}
-    print("\nmean scheduler step time (ms): median [min-max] over repeats of each run's mean")
-    ratio_heads = [f"fixed/{m}" for m in modes if m != "fixed"] if "fixed" in modes else []
-    print(f"{'window':13} {'rank':>5} {'steps':>6} " + " ".join(f"{m:>20}" for m in modes))
-    for window in ("common", "same_batches"):
-        for rank in [*range(world), "all"]:
-            per_mode = {m: means[rank][window][m] for m in modes}
-            steps = [r["n"] for r in rows if r["metric"] == f"mean_step_ms_{window}" and rank in (r["rank"], "all")]
-            n = f"{min(steps)}" if steps else "-"
-            label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
-            cells = " ".join(
-                f"{statistics.median(v):7.2f} [{min(v):5.2f}-{max(v):5.2f}]".rjust(20) for v in per_mode.values()
-            )
-            print(f"{window:13} {label:>5} {n:>6} {cells}")
-            entry = {m: spread(v) for m, v in per_mode.items()}
-            per_repeat = {
-                h: [ratio(f, o) for f, o in zip(per_mode["fixed"], per_mode[h.split("/")[1]], strict=True)]
-                for h in ratio_heads
-            }
-            summary.setdefault(window, {})[str(rank)] = {
-                "mean_step_ms": entry,
-                "per_repeat_ratios": per_repeat,
-                "ratios": {h: spread(v) for h, v in per_repeat.items()},
-            }
-    print("per-repeat ratios (window common): median [min-max]")
-    for rank in [*range(world), "all"]:
-        label = "mean" if rank == "all" else ("last" if rank == world - 1 else str(rank))
-        ratios = summary["common"][str(rank)]["ratios"]
-        print(
-            f"  rank {label:>4}: "
-            + "; ".join(f"{h} {v['median']:.3f} [{v['min']:.3f}-{v['max']:.3f}]" for h, v in ratios.items())
-        )
-    mean = summary["common"]["all"]["mean_step_ms"]
-    ranges = {m: (v["min"], v["max"]) for m, v in mean.items()}
-    overlap = max(lo for lo, _ in ranges.values()) <= min(hi for _, hi in ranges.values())
-    verdict = "overlap: the modes' differences are within run-to-run noise" if overlap else "do not all overlap"
-    print(
-        "  mean of ranks, min-max over repeats: "
-        + ", ".join(f"{m} {lo:.2f}-{hi:.2f}" for m, (lo, hi) in ranges.items())
-        + f" ms: {verdict}"
-    )
-    summary["common"]["verdict"] = {"ranges_overlap": overlap, "ranges_ms": ranges}
-    print(
-        "  common: per rank, the first N steps all runs completed (N = the shortest run's count, a crashed run's "
-        "aborted last step dropped);\n  same_batches: the first steps in which all runs scheduled identical "
-        "batches (before the first divergence). 'mean': the mean over ranks. steps: the smallest N over repeats."
-    )
-    return summary
-
-
 # -- main ---------------------------------------------------------------------------------------------------
 
 
@@ -229,6 +178,22 @@ def machine_record() -> dict:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    base = config_from_args(args)
+    kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
+    rows, timeline, report = [], [], {"machine": machine_record(), "code": code_state(), "args": kept}
+    started = time.perf_counter()
+    if not args.skip_step_time:
+        rows += _step_time_part(args, base, report)
+    if not args.skip_primitives:
+        primitive_rows, timeline = _primitives_parts(args, base, report)
+        rows += primitive_rows
+    report["elapsed_s"] = time.perf_counter() - started
+    report["load_average_at_end"] = os.getloadavg()
+    _write_results(Path(args.results_dir), rows, timeline, report)
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser, pp=2, latency="virtual")
     parser.set_defaults(enable_hierarchical_cache=True)  # the host tier is what needs agreeing on
@@ -245,46 +210,49 @@ def main() -> None:
     parser.add_argument("--skip-primitives", action="store_true", help="skip parts 2 and 3")
     parser.add_argument("--timeline", action="store_true", help="part 2: write agreement_timeline.csv")
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
-    args = parser.parse_args()
-    base = config_from_args(args)
+    return parser
+
+
+def _step_time_part(args: argparse.Namespace, base: RunConfig, report: dict) -> list[dict]:
+    """Part 1, measured and printed (its summary into `report`); its CSV rows."""
     modes = list(dict.fromkeys(args.sync_modes))
-    kept = {k: v for k, v in vars(args).items() if k != "results_dir"}  # where the file is; no machine paths
-    rows, timeline, report = [], [], {"machine": machine_record(), "code": code_state(), "args": kept}
-    started = time.perf_counter()
-    if not args.skip_step_time:
-        w, p, c = base.workload, base.parallel, base.cache
-        workload = (
-            f"{w.num_clients} clients x {w.num_rounds} rounds, request {w.request_length}, sub-question "
-            f"{w.sub_question_input_length}, output {w.output_length}, max running {w.max_running_requests}, "
-            f"seed {w.seed}; model {base.model.num_layers} layers x {base.model.hidden_size}; "
-            f"--pp {p.pp} --tp {p.tp} --cp {p.cp}, hierarchical cache {c.enable_hierarchical_cache}, "
-            f"--latency {c.latency}"
-        )
-        print(f"part 1: scheduler step time by sync mode ({', '.join(modes)}), {args.repeats} repeats\n  {workload}")
-        step_rows, means = measure_step_times(base, modes, args.repeats)
-        rows += step_rows
-        report["step_time"] = {"workload": workload, **report_step_times(means, step_rows, modes, p.world_size)}
-    if not args.skip_primitives:
-        print(
-            f"\nparts 2-3: worlds of {args.pp_sizes} ranks, {args.blocks} blocks; part 2: {args.steps} pipeline steps "
-            f"per variant, forward {args.stage_ms} ms; part 3: {args.calls} calls"
-        )
-        world_args = {
-            "steps": args.steps,
-            "stage_ms": args.stage_ms,
-            "slow_factor": args.slow_factor,
-            "calls": args.calls,
-            "warmup": args.warmup,
-            "blocks": args.blocks,
-            "timeout_s": base.parallel.collective_timeout_s,
-            "timeline": args.timeline,
-        }
-        prim_rows, values, timeline = measure_primitives(args.pp_sizes, world_args)
-        rows += prim_rows
-        report["pipeline_and_attention"] = report_primitives(values, world_args)
-    report["elapsed_s"] = time.perf_counter() - started
-    report["load_average_at_end"] = os.getloadavg()
-    out = Path(args.results_dir)
+    w, p, c = base.workload, base.parallel, base.cache
+    workload = (
+        f"{w.num_clients} clients x {w.num_rounds} rounds, request {w.request_length}, sub-question "
+        f"{w.sub_question_input_length}, output {w.output_length}, max running {w.max_running_requests}, "
+        f"seed {w.seed}; model {base.model.num_layers} layers x {base.model.hidden_size}; "
+        f"--pp {p.pp} --tp {p.tp} --cp {p.cp}, hierarchical cache {c.enable_hierarchical_cache}, "
+        f"--latency {c.latency}"
+    )
+    print(f"part 1: scheduler step time by sync mode ({', '.join(modes)}), {args.repeats} repeats\n  {workload}")
+    step_rows, means = measure_step_times(base, modes, args.repeats)
+    report["step_time"] = {"workload": workload, **report_step_times(means, step_rows, modes, p.world_size)}
+    return step_rows
+
+
+def _primitives_parts(args: argparse.Namespace, base: RunConfig, report: dict) -> tuple[list[dict], list[dict]]:
+    """Parts 2 and 3, measured and printed (their summary into `report`); their CSV rows, and the timeline's."""
+    print(
+        f"\nparts 2-3: worlds of {args.pp_sizes} ranks, {args.blocks} blocks; part 2: {args.steps} pipeline steps "
+        f"per variant, forward {args.stage_ms} ms; part 3: {args.calls} calls"
+    )
+    world_args = {
+        "steps": args.steps,
+        "stage_ms": args.stage_ms,
+        "slow_factor": args.slow_factor,
+        "calls": args.calls,
+        "warmup": args.warmup,
+        "blocks": args.blocks,
+        "timeout_s": base.parallel.collective_timeout_s,
+        "timeline": args.timeline,
+    }
+    rows, values, timeline = measure_primitives(args.pp_sizes, world_args)
+    report["pipeline_and_attention"] = report_primitives(values, world_args)
+    return rows, timeline
+
+
+def _write_results(out: Path, rows: list[dict], timeline: list[dict], report: dict) -> None:
+    """The CSV, the JSON and the timeline's CSV into `out`, then the CSV's tables as notebook 05 shows them."""
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "agreement_cost.csv", rows, CSV_FIELDS)
     (out / "agreement_cost.json").write_text(json.dumps(report, indent=2, default=str) + "\n")

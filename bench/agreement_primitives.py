@@ -200,56 +200,62 @@ def measure_primitives(pp_sizes: list[int], args: dict) -> tuple[list[dict], dic
         per_rank = measure_world(size, args)
         print(f"  world of {size} ranks: {time.perf_counter() - started:.1f} s")
         timeline += timeline_rows(size, per_rank)
-        for rank, records in per_rank.items():
-            for rec in records:
-                base = {"pp": size, "variant": rec["op"], "rank": rank, "repeat": rec["block"]}
-                if rec["part"] == "pipeline":
-                    for key, metric, scale, unit, note in PIPELINE_METRICS:
-                        rows.append(
-                            {
-                                **base,
-                                "part": "pipeline",
-                                "scenario": rec["scenario"],
-                                "metric": metric,
-                                "value": rec[key] * scale,
-                                "unit": unit,
-                                "n": args["steps"],
-                                "note": note,
-                            }
-                        )
-                else:
-                    rows.append(
-                        {
-                            **base,
-                            "part": "attn_agreement",
-                            "scenario": "",
-                            "metric": "us_per_step",
-                            "value": rec["loop_s"] / args["calls"] * 1e6,
-                            "unit": "us",
-                            "n": args["calls"],
-                            "note": "attention group = ranks 0, 1",
-                        }
-                    )
-        for scenario in SCENARIOS:  # the modelled forwards, for reference lines
-            for rank in range(size):
-                slow = args["slow_factor"] if scenario == "slow_last" and rank == size - 1 else 1.0
-                rows.append(
-                    {
-                        "part": "pipeline",
-                        "pp": size,
-                        "scenario": scenario,
-                        "variant": "",
-                        "rank": rank,
-                        "repeat": "",
-                        "metric": "forward_ms",
-                        "value": args["stage_ms"] * slow,
-                        "unit": "ms",
-                        "n": "",
-                        "note": "the modelled forward (a sleep) of this stage",
-                    }
-                )
+        rows += [row for rank, records in per_rank.items() for rec in records for row in _rows(size, rank, rec, args)]
+        rows += _forward_rows(size, args)
         for row in rows:
             if row["pp"] == size and row["metric"] != "forward_ms":
                 key = (row["scenario"] or "attn", row["variant"], row["metric"])
                 values.setdefault(size, {}).setdefault(key, {}).setdefault(row["rank"], []).append(row["value"])
     return rows, values, timeline
+
+
+def _rows(size: int, rank: int, rec: dict, args: dict) -> list[dict]:
+    """The CSV rows of one record of a stage: a pipeline run's `PIPELINE_METRICS`, or an attention op's loop."""
+    base = {"pp": size, "variant": rec["op"], "rank": rank, "repeat": rec["block"]}
+    if rec["part"] != "pipeline":
+        return [
+            {
+                **base,
+                "part": "attn_agreement",
+                "scenario": "",
+                "metric": "us_per_step",
+                "value": rec["loop_s"] / args["calls"] * 1e6,
+                "unit": "us",
+                "n": args["calls"],
+                "note": "attention group = ranks 0, 1",
+            }
+        ]
+    return [
+        {
+            **base,
+            "part": "pipeline",
+            "scenario": rec["scenario"],
+            "metric": metric,
+            "value": rec[key] * scale,
+            "unit": unit,
+            "n": args["steps"],
+            "note": note,
+        }
+        for key, metric, scale, unit, note in PIPELINE_METRICS
+    ]
+
+
+def _forward_rows(size: int, args: dict) -> list[dict]:
+    """Each stage's modelled forward in each scenario, for reference lines."""
+    return [
+        {
+            "part": "pipeline",
+            "pp": size,
+            "scenario": scenario,
+            "variant": "",
+            "rank": rank,
+            "repeat": "",
+            "metric": "forward_ms",
+            "value": args["stage_ms"] * (args["slow_factor"] if scenario == "slow_last" and rank == size - 1 else 1.0),
+            "unit": "ms",
+            "n": "",
+            "note": "the modelled forward (a sleep) of this stage",
+        }
+        for scenario in SCENARIOS
+        for rank in range(size)
+    ]

@@ -3,7 +3,7 @@
 The core, in reading order: `config` and `parallel_config` (what a run is), `args` (the `run` flags: SGLang's
 `server_args.py`), `errors`, `mem_cache` (one rank's tiers), `distributed` (the groups and how ranks agree),
 `model` (a tiny real transformer), `managers` (the scheduler, SGLang's), `mooncake_trace` (workloads from
-outside), `entrypoints` (running a world) and `__main__` (the command line).
+outside, read as checked JSONL by `jsonl`), `entrypoints` (running a world) and `__main__` (the command line).
 The lab's tooling is `lab`: the core never imports it."""
 
 __version__ = "0.1.0"

@@ -36,10 +36,10 @@ if (
 
 from .args import add_run_flags, config_from_args
 from .entrypoints.ending import Interrupted
-from .entrypoints.launch import run
+from .entrypoints.launch import exit_code, run
 from .entrypoints.outdir import OutputError
-from .entrypoints.report import divergence_words, mean_hit_rate
-from .entrypoints.torchrun import run_under_torchrun
+from .entrypoints.report import divergence_words, mean_hit_rate, passed
+from .entrypoints.torchrun import TORCHRUN_VARIABLES, run_under_torchrun, started_by_torchrun
 from .errors import ConfigError
 from .lab.binders import LAB
 from .lab.check.compare_cli import add_compare_flags, cmd_compare
@@ -51,68 +51,34 @@ from .lab.figures.hit_rates import plot_hit_rates
 from .lab.figures.pipeline import plot_queue_divergence
 from .lab.figures.regenerate import add_figures_flags, cmd_figures
 from .lab.figures.releases import add_releases_flags, cmd_releases
-from .lab.sglang.conformance import add_conform_flags, cmd_conform
-from .lab.sglang.source import read_bench_multiturn
+from .lab.sglang.bench_log import read_bench_multiturn
+from .lab.sglang.conform_cli import add_conform_flags, cmd_conform
 from .lab.teach.edition import add_edition_flags, cmd_edition
 from .lab.teach.exercise_cli import add_exercise_flags, cmd_exercise
-
-TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def started_by_torchrun(environ: dict[str, str]) -> bool:
-    """Whether this process is one rank of a world torchrun started: RANK < WORLD_SIZE (> 1), MASTER_ADDR and
-    MASTER_PORT set. With neither RANK nor WORLD_SIZE it runs a world of its own. Anything between (an `export`
-    left in a shell, a typo) is a ConfigError naming the variables: guessing either way would hang or mislead."""
-    if "RANK" not in environ and "WORLD_SIZE" not in environ:
-        return False
-
-    def integer(name: str) -> int | None:
-        try:
-            return int(environ[name])
-        except (KeyError, ValueError):
-            return None
-
-    rank, world, port = integer("RANK"), integer("WORLD_SIZE"), integer("MASTER_PORT")
-    if "RANK" not in environ or "WORLD_SIZE" not in environ:
-        problem = f"{'WORLD_SIZE' if 'RANK' in environ else 'RANK'} is missing"
-    elif world is None or world < 1:
-        problem = "WORLD_SIZE is not a positive integer"
-    elif rank is None or not 0 <= rank < world:
-        problem = f"RANK is not an integer in 0..{world - 1} (WORLD_SIZE {world})"
-    elif world > 1 and not environ.get("MASTER_ADDR"):
-        problem = "MASTER_ADDR is missing"
-    elif world > 1 and (port is None or not 1 <= port <= 65535):
-        problem = "MASTER_PORT is not a port number"
-    else:
-        return world > 1
-    seen = ", ".join(f"{name}={environ[name]!r}" for name in TORCHRUN_VARIABLES if name in environ)
-    raise ConfigError(
-        f"the environment says this is a torchrun rank, but {problem} ({seen}): to run on its own, "
-        f"unset {' '.join(TORCHRUN_VARIABLES)}; or start it under torchrun"
-    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     sglang = read_bench_multiturn(args.compare_sglang) if args.compare_sglang else None  # a bad log fails first
     if started_by_torchrun(os.environ):
-        summary = run_under_torchrun(cfg, Path(args.out), LAB)
+        summary = run_under_torchrun(cfg, Path(args.out), args.binders)
         if summary is None:
             return 0
     else:
-        summary = run(cfg, Path(args.out), binders=LAB)
+        summary = run(cfg, Path(args.out), binders=args.binders)
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
     if sglang is not None:
         compare_with_sglang(summary, sglang, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
-    if summary["interrupted"] and not summary["crashed"]:
-        return 128 + signal.Signals[summary["interrupted"]]  # 130 for SIGINT, as a shell reports Ctrl-C
-    return (
-        0
-        if summary["completed"]
-        and not summary["diverged"]  # ranks that ended apart failed, whatever their outputs
-        and summary["outputs_match_reference"] is not False
-        and all(f["fired"] is not False for f in summary.get("faults", ()))  # every fault asked for came
-        else 1
+    return exit_code(None if summary["crashed"] else summary["interrupted"], passed(summary))
+
+
+def _run_flags(parser: argparse.ArgumentParser) -> None:
+    add_run_flags(parser)
+    parser.add_argument("--out", default="runs/latest", help="output directory (default: runs/latest)")
+    parser.add_argument(
+        "--compare-sglang",
+        metavar="LOG",
+        help="SGLang bench_multiturn --log-file (JSONL): print and plot its per-round hit rates beside this run's",
     )
 
 
@@ -138,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             parallel=dataclasses.replace(base.parallel, sync=sync),
         )
         print(f"\n=== {label}  (--pp {cfg.parallel.pp} --sync {sync}) ===")
-        summaries[name] = run(cfg, out / name, binders=LAB)
+        summaries[name] = run(cfg, out / name, binders=args.binders)
     bound = mean_hit_rate(summaries["l1_only"]["rounds"], first, last, key="upper_bound_hit_rate")
     print(f"\nmean hit rate, rounds {first}-{last} (infinite cache: {bound:.1%}):")
     for name, label, _, _ in DEMO_RUNS:
@@ -157,8 +123,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summaries["fixed"]["completed"] and not summaries["fixed"]["diverged"] else 1
 
 
+def _demo_flags(parser: argparse.ArgumentParser) -> None:
+    add_run_flags(parser, pp=2)
+    parser.add_argument("--out", default="runs/demo", help="output directory (default: runs/demo)")
+    parser.add_argument(
+        "--figures", help="where its two figures go (default: OUT/figures; `figures` regenerates the committed ones)"
+    )
+
+
 # fmt: off
-LAB_COMMANDS = (  # name, help, flags, handler: the lab's tools (hicache_lab/lab/)
+COMMANDS = (  # name, help, flags, handler: one configuration, the demo, then the lab's tools (hicache_lab/lab/)
+    ("run", "run one configuration and write DIR/summary.json", _run_flags, cmd_run),
+    ("demo", "PP=2: L1 only, then L1 + L2 with legacy and with fixed sync; two figures beside its runs",
+     _demo_flags, cmd_demo),
     ("figures", "regenerate every figure in figures/ from live runs", add_figures_flags, cmd_figures),
     ("soak", "random small worlds in each sync mode, counted by outcome", add_soak_flags, cmd_soak),
     ("zoo", "the bug zoo: list the known failures, or reproduce one with its fix", add_zoo_flags, cmd_zoo),
@@ -176,39 +153,19 @@ LAB_COMMANDS = (  # name, help, flags, handler: the lab's tools (hicache_lab/lab
      cmd_edition),
 )
 # fmt: on
+UNDESCRIBED = ("run", "demo")  # --help: usage and flags; a lab tool's also says what it does (docstring, or help)
+LAUNCH_WORLDS = ("demo", "figures", "soak", "zoo", "compare", "exercise", "releases")  # never one rank of torchrun's
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hicache_lab", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run one configuration and write DIR/summary.json")
-    demo_parser = commands.add_parser(
-        "demo", help="PP=2: L1 only, then L1 + L2 with legacy and with fixed sync; two figures beside its runs"
-    )
-    for p, default_out, overrides in ((run_parser, "runs/latest", {}), (demo_parser, "runs/demo", {"pp": 2})):
-        add_run_flags(p, **overrides)
-        p.add_argument("--out", default=default_out, help=f"output directory (default: {default_out})")
-    run_parser.add_argument(
-        "--compare-sglang",
-        metavar="LOG",
-        help="SGLang bench_multiturn --log-file (JSONL): print and plot its per-round hit rates beside this run's",
-    )
-    run_parser.set_defaults(func=cmd_run)
-    demo_parser.add_argument(
-        "--figures", help="where its two figures go (default: OUT/figures; `figures` regenerates the committed ones)"
-    )
-    demo_parser.set_defaults(func=cmd_demo)
-    for name, help_text, add_flags, func in LAB_COMMANDS:
-        sub = commands.add_parser(name, help=help_text, description=func.__doc__ or help_text)
+    for name, help_text, add_flags, func in COMMANDS:
+        described = None if name in UNDESCRIBED else func.__doc__ or help_text
+        sub = commands.add_parser(name, help=help_text, description=described)
         add_flags(sub)
         sub.set_defaults(func=func, binders=LAB)
     return parser
-
-
-LAUNCH_WORLDS = {  # the commands that start worlds of their own: never one rank of torchrun's
-    cmd_demo: "demo", cmd_figures: "figures", cmd_soak: "soak", cmd_zoo: "zoo", cmd_compare: "compare",
-    cmd_exercise: "exercise", cmd_releases: "releases",
-}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         if getattr(args, "out", None) is not None and not args.out.strip():
             raise ConfigError("--out '' names no directory (it would be the working directory): give one")
-        if args.func in LAUNCH_WORLDS and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
-            name = LAUNCH_WORLDS[args.func]
+        if (name := args.command) in LAUNCH_WORLDS and ("RANK" in os.environ or "WORLD_SIZE" in os.environ):
             raise ConfigError(
                 f"{name} launches worlds of its own, and RANK/WORLD_SIZE say this process is one rank of another "
                 f"(torchrun): run `python -m hicache_lab {name}` alone (unset {' '.join(TORCHRUN_VARIABLES)}); "

@@ -21,6 +21,7 @@ import hicache_lab
 LAYERS = (  # bottom up
     "__init__",
     "errors",
+    "jsonl",
     "mooncake_trace",
     "parallel_config",
     "config",

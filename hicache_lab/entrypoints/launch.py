@@ -72,11 +72,13 @@ def _new(cfg: RunConfig, rank: int, run_id: str | None) -> dict:
     return new_result(rank, RankLayout(p.tp, p.cp, p.pp, rank), run_id)
 
 
-def exit_code(result: dict) -> int:
-    """A rank's exit code: 0 completed, 128 + signal interrupted, 1 failed."""
-    if result.get("interrupted"):
-        return 128 + signal.Signals[result["interrupted"]]
-    return 0 if result["completed"] else 1
+def exit_code(interrupted: str | None, ok: bool) -> int:
+    """The exit status of a rank (its result) or of a run (`python -m hicache_lab`, its summary): 128 + the signal
+    that cut it short (`interrupted`, a name: 130 for SIGINT, as a shell reports Ctrl-C); else 0 when it did what
+    it should (`ok`: a rank completed, a run `report.passed`), else 1."""
+    if interrupted:
+        return 128 + signal.Signals[interrupted]
+    return 0 if ok else 1
 
 
 def rank_processes() -> multiprocessing.context.BaseContext:
@@ -131,7 +133,7 @@ def _rank_main(
             os._exit(1)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(exit_code(result))
+        os._exit(exit_code(result.get("interrupted"), result["completed"]))
 
 
 def join_world(rank: int, size: int, port: int, timeout_s: float) -> None:

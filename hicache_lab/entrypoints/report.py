@@ -249,6 +249,17 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) ->
     return summary
 
 
+def passed(summary: dict) -> bool:
+    """Whether a run did all it should: it completed, its ranks never diverged (whatever their outputs: ranks that
+    ended apart failed), its outputs matched the reference where checked, and every fault asked for came."""
+    return bool(
+        summary["completed"]
+        and not summary["diverged"]
+        and summary["outputs_match_reference"] is not False
+        and all(f["fired"] is not False for f in summary.get("faults", ()))
+    )
+
+
 def divergence_words(summary: dict) -> str | None:
     """The first step and quantity at which ranks differed, in words; None if they never did."""
     d = summary["first_divergence"]

@@ -1,5 +1,6 @@
-"""One rank of a world that `torchrun` started (RANK, WORLD_SIZE, MASTER_ADDR/PORT set): rank 0 owns the output
-directory and writes the summary, even when a rank died; what each rank that left no result was doing."""
+"""One rank of a world that `torchrun` started (RANK, WORLD_SIZE, MASTER_ADDR/PORT set; `started_by_torchrun`
+checks them): rank 0 owns the output directory and writes the summary, even when a rank died; what each rank that
+left no result was doing."""
 
 from __future__ import annotations
 
@@ -21,7 +22,41 @@ from .outdir import Claim
 from .preflight import preflight
 from .report import WorldEnd, print_summary, read_results, summarize
 
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WORKING_BOUND = 10  # rank 0 waits at most this many collective timeouts for a peer that still works
+
+
+def started_by_torchrun(environ: dict[str, str]) -> bool:
+    """Whether this process is one rank of a world torchrun started: RANK < WORLD_SIZE (> 1), MASTER_ADDR and
+    MASTER_PORT set. With neither RANK nor WORLD_SIZE it runs a world of its own. Anything between (an `export`
+    left in a shell, a typo) is a ConfigError naming the variables: guessing either way would hang or mislead."""
+    if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        return False
+
+    def integer(name: str) -> int | None:
+        try:
+            return int(environ[name])
+        except (KeyError, ValueError):
+            return None
+
+    rank, world, port = integer("RANK"), integer("WORLD_SIZE"), integer("MASTER_PORT")
+    if "RANK" not in environ or "WORLD_SIZE" not in environ:
+        problem = f"{'WORLD_SIZE' if 'RANK' in environ else 'RANK'} is missing"
+    elif world is None or world < 1:
+        problem = "WORLD_SIZE is not a positive integer"
+    elif rank is None or not 0 <= rank < world:
+        problem = f"RANK is not an integer in 0..{world - 1} (WORLD_SIZE {world})"
+    elif world > 1 and not environ.get("MASTER_ADDR"):
+        problem = "MASTER_ADDR is missing"
+    elif world > 1 and (port is None or not 1 <= port <= 65535):
+        problem = "MASTER_PORT is not a port number"
+    else:
+        return world > 1
+    seen = ", ".join(f"{name}={environ[name]!r}" for name in TORCHRUN_VARIABLES if name in environ)
+    raise ConfigError(
+        f"the environment says this is a torchrun rank, but {problem} ({seen}): to run on its own, "
+        f"unset {' '.join(TORCHRUN_VARIABLES)}; or start it under torchrun"
+    )
 
 
 def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...] = ()) -> dict | None:
@@ -46,8 +81,8 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         store = partial(env_store, rank, world, cfg.parallel.collective_timeout_s)
         result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
         if rank != 0:
-            if not result["completed"]:
-                os._exit(exit_code(result))  # peers may be blocked on us: torchrun stops them
+            if not result["completed"]:  # peers may be blocked on us: torchrun stops them
+                os._exit(exit_code(result.get("interrupted"), ok=False))
             return None
         cut_short = _await_peers(cfg, out_dir, result, end)
         end.interrupted = result.get("interrupted") or cut_short

@@ -3,8 +3,8 @@
 
 * `presets` - the worlds tools and tests run, as `run` flags;
 * `sglang/` - SGLang 0.5.23 as the reference: importing it on CPU (`cpu`), its own cache driven by the lab's
-  scheduler (`cache`), the cache-op recorder (`recording`), the conformance replay (`conformance`), its source
-  and bench_multiturn logs beside the lab's (`source`);
+  scheduler (`cache`), the cache-op recorder (`recording`), the conformance replay (`replay`), its source
+  beside the lab's (`source`), its bench_multiturn logs (`bench_log`);
 * `check/` - what shows the lab is right: faults (`faults`), the bug zoo (`zoo`), the soak (`soak`, and
   hostile input from a source checkout's tests/hostile/), the exhaustive timings (`exhaustive`);
 * `teach/` - what a student runs: the tour (`tour`), the causal chain (`chain`), `--sync-impl` (`sync_impl`)

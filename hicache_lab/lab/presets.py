@@ -5,6 +5,8 @@ the world it ran, and `config(...)` turns the same flags into a `RunConfig`.
   device pool: small, and still large enough to overflow it, so write-through, eviction and load-back all happen.
 * `WORLD` - that workload with the host tier and the output oracle on 3 layers (so PP stages hold different
   layer counts): the bug zoo, the exercises and the multi-rank tests add their world size and faults to it.
+* `World` - one world of a tool's list (the exercise's, `compare --worlds`', the release matrix's): a name and
+  its flags.
 * `TIERS` / `TIER_CACHES` - one rank whose history outgrows device and host (8 conversations of 5 turns): the
   hit rate per tier (figures, notebook 04). The storage run's prefetch threshold, 24 tokens, is above a turn's
   new tokens (16 beyond what the tree holds): from round 1 only a prompt whose history the host dropped asks storage.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..args import add_run_flags, config_from_args
@@ -34,6 +37,16 @@ TIER_CACHES = {  # CacheConfig fields of each tier stack
     "L1 + L2": {"enable_hierarchical_cache": True},
     "L1 + L2 + L3": {"enable_hierarchical_cache": True, "storage_backend": "file", "prefetch_threshold": 24},
 }
+
+
+@dataclass(frozen=True)
+class World:
+    """A world a tool runs, in its list of worlds: its name as the tool prints it, and its `run` flags beyond the
+    tool's own workload; `key`, its name on the command line where the tool lets one pick worlds."""
+
+    name: str
+    flags: str
+    key: str = ""
 
 
 def config(*flags: str) -> RunConfig:

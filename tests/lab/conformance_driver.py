@@ -1,5 +1,5 @@
 """Drives one rank's cache through the operations of the scheduler's contract, as `Scheduler` does, recording
-them (lab/sglang/recording.py), so that lab/sglang/conformance.py can replay them through SGLang's cache. The operations
+them (lab/sglang/recording.py), so that lab/sglang/replay.py can replay them through SGLang's cache. The operations
 come from a test: `("request", conversation, pages, keep)`, `("decode", i)`, `("finish", i)`, `("retract", i)`,
 `("step",)`, `("evict", n)`, `("evict_host", n)`. A request goes into the tree after its prefill and again when
 it finishes, its answer a page per `decode`; a retracted one leaves without inserting. A request continues one

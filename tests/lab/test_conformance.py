@@ -1,5 +1,5 @@
 """The lab's cache answers every question the scheduler asks as SGLang 0.5.23's own cache does
-(lab/sglang/conformance.py, lab/sglang/cache.py): random operation sequences, and recorded runs replayed, compared after
+(lab/sglang/replay.py, lab/sglang/cache.py): random operation sequences, and recorded runs replayed, compared after
 every operation. Needs sglang 0.5.23 (make installs it); skipped with the reason where it is missing.
 
 Each test can fail: `test_a_deliberate_change_to_the_lab_is_caught` makes three one-line changes to the lab (the
@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hicache_lab.config import WRITE_POLICIES
-from hicache_lab.lab.sglang.conformance import replay
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
+from hicache_lab.lab.sglang.replay import replay
 from hicache_lab.mem_cache import radix_tree
 from hicache_lab.mem_cache.cache_controller import HiCacheController
 from hicache_lab.mem_cache.hiradix_cache import HiRadixCache

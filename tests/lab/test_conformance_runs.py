@@ -12,9 +12,9 @@ import pytest
 from hicache_lab.__main__ import main
 from hicache_lab.lab.binders import run
 from hicache_lab.lab.presets import WORKLOAD, config
-from hicache_lab.lab.sglang.conformance import replay
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, sglang_version
 from hicache_lab.lab.sglang.recording import ops_path
+from hicache_lab.lab.sglang.replay import replay
 
 pytestmark = pytest.mark.skipif(
     sglang_version() != SGLANG_VERSION,

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from hicache_lab.lab.figures.chain import describe
 from hicache_lab.lab.figures.regenerate import FILES
 from hicache_lab.lab.teach.chain import find_chain
 from hicache_lab.managers.step_trace import read_trace
@@ -44,11 +45,11 @@ def test_the_legacy_chain_runs_in_causal_order_to_the_crash(figures_dir):
     assert [link.order for link in links] == sorted(link.order for link in links)  # (step, PHASES index)
     ack, unlock, evict = (next(link for link in links if link.what == w) for w in ("ack", "unlock", "evict"))
     assert unlock.stages == ack.stages and len(ack.stages) < 2  # one stage consumed it, and unlocked its node
-    node = int(unlock.text.split()[1])
-    assert f"node {node} on stage {ack.stages[0]} only" in evict.text  # evicted there, still locked elsewhere
+    assert evict.node == unlock.node is not None and evict.ahead == ack.stages  # evicted there, still locked elsewhere
+    assert f"node {unlock.node} on stage {ack.stages[0]} only" in describe(evict)
     crash = links[-1]
     assert crash.stages == (summary["failing_rank"],) and crash.step >= links[0].step
-    assert summary["error"] in crash.text
+    assert crash.error == summary["error"] and summary["error"] in describe(crash)
 
 
 def test_the_fixed_run_of_the_same_seed_has_no_chain(figures_dir):

@@ -14,16 +14,16 @@ import pytest
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB
 from hicache_lab.lab.check.compare import compare
-from hicache_lab.lab.check.releases import WORLDS, World, config, judge, run_cell
+from hicache_lab.lab.check.releases import WORLDS, config, judge, run_cell
 from hicache_lab.lab.check.zoo import ENTRIES, impls, not_in_releases
-from hicache_lab.lab.presets import WORLD
+from hicache_lab.lab.presets import WORLD, World
 from hicache_lab.lab.presets import config as preset_config
 from hicache_lab.lab.sglang import releases
 from hicache_lab.lab.sglang.binder import SGLANG_CACHE
 
 WORLD_BY_KEY = {w.key: w for w in WORLDS}
-PP2_SHORT = World("pp2", "PP 2, 1 round", "--pp 2 --num-rounds 1")  # one round: the suite's budget
-CP2_SHORT = World("cp2-dpa", "CP 2, DP attention, 1 round", "--cp 2 --enable-dp-attention --num-rounds 1")
+PP2_SHORT = World("PP 2, 1 round", "--pp 2 --num-rounds 1", key="pp2")  # one round: the suite's budget
+CP2_SHORT = World("CP 2, DP attention, 1 round", "--cp 2 --enable-dp-attention --num-rounds 1", key="cp2-dpa")
 
 
 def installed(*versions: str):

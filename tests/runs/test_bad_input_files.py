@@ -97,7 +97,7 @@ RUN_LOG = {"tag": "sglang", "summary": {"cache_hit_rate": 0.4}}
     ],
 )
 def test_a_bad_bench_multiturn_line_is_refused_field_by_field(tmp_path, line, message):
-    from hicache_lab.lab.sglang.source import read_bench_multiturn
+    from hicache_lab.lab.sglang.bench_log import read_bench_multiturn
 
     log = _write(tmp_path / "log.jsonl", RUN_LOG, line)
     with pytest.raises(ConfigError, match=re.escape(f"bench_multiturn log {log}:2: ") + ".*" + re.escape(message)):
@@ -105,7 +105,7 @@ def test_a_bad_bench_multiturn_line_is_refused_field_by_field(tmp_path, line, me
 
 
 def test_a_bench_multiturn_run_without_rounds_keeps_its_summary(tmp_path):
-    from hicache_lab.lab.sglang.source import read_bench_multiturn
+    from hicache_lab.lab.sglang.bench_log import read_bench_multiturn
 
     log = _write(
         tmp_path / "log.jsonl", {**RUN_LOG, "round": {}}, {"summary": {"cache_hit_rate": 0.2, "average_ttft": None}}

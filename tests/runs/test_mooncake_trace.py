@@ -12,7 +12,7 @@ from hicache_lab.config import CacheConfig, RunConfig, WorkloadConfig
 from hicache_lab.entrypoints.launch import run
 from hicache_lab.entrypoints.report import mean_hit_rate
 from hicache_lab.errors import ConfigError
-from hicache_lab.lab.sglang.source import read_bench_multiturn
+from hicache_lab.lab.sglang.bench_log import read_bench_multiturn
 from hicache_lab.mooncake_trace import read_mooncake_trace
 
 SAMPLE = str(Path(__file__).resolve().parents[2] / "data" / "mooncake_sample.jsonl")

@@ -153,7 +153,7 @@ def test_an_output_directory_that_cannot_be_written_is_refused(tmp_path, monkeyp
     ],
 )
 def test_stale_torchrun_variables_are_refused_naming_them(environ, answer):
-    from hicache_lab.__main__ import started_by_torchrun
+    from hicache_lab.entrypoints.torchrun import started_by_torchrun
 
     if isinstance(answer, bool):
         assert started_by_torchrun(environ) is answer

@@ -78,7 +78,7 @@ def parted(divergence: dict | None):
 
 
 @dataclass
-class Difference:
+class StepDifference:
     where: str  # "step 12, rank 1" / "rank 0" / "round 3"
     quantity: str
     lab: object
@@ -122,7 +122,7 @@ def _ranks(out: Path) -> dict[int, dict]:
     return results
 
 
-def step_differences(lab: Path, sglang: Path, until: int | None = None) -> list[Difference]:
+def step_differences(lab: Path, sglang: Path, until: int | None = None) -> list[StepDifference]:
     """Every quantity in which the two runs' traces differ, by (step, rank) and in causal order within one, up to
     step `until` (None: all); a step one run reached and the other did not is a difference too."""
     a, b = by_step(lab), by_step(sglang)
@@ -131,13 +131,13 @@ def step_differences(lab: Path, sglang: Path, until: int | None = None) -> list[
         left, right = a.get((step, rank)), b.get((step, rank))
         where = f"step {step}, rank {rank}"
         if left is None or right is None:
-            found.append(Difference(where, "step reached", left is not None, right is not None))
+            found.append(StepDifference(where, "step reached", left is not None, right is not None))
             continue
-        found += [Difference(where, q, left[q], right[q]) for q in STEP_QUANTITIES if left[q] != right[q]]
+        found += [StepDifference(where, q, left[q], right[q]) for q in STEP_QUANTITIES if left[q] != right[q]]
     return found
 
 
-def rank_differences(lab: Path, sglang: Path) -> list[Difference]:
+def rank_differences(lab: Path, sglang: Path) -> list[StepDifference]:
     """Per rank: how it ended, and its storage prefetch counts."""
     found = []
     a, b = _ranks(lab), _ranks(sglang)
@@ -146,26 +146,26 @@ def rank_differences(lab: Path, sglang: Path) -> list[Difference]:
         where = f"rank {rank}"
         for key in ("completed", "crashed"):
             if left.get(key) != right.get(key):
-                found.append(Difference(where, key, left.get(key), right.get(key)))
+                found.append(StepDifference(where, key, left.get(key), right.get(key)))
         storage, theirs = left.get("storage"), right.get("storage")
         if storage is None or theirs is None:
             continue
         found += [
-            Difference(where, f"prefetch {q}", storage.get(q), theirs.get(q))
+            StepDifference(where, f"prefetch {q}", storage.get(q), theirs.get(q))
             for q in PREFETCH_QUANTITIES
             if storage.get(q) != theirs.get(q)
         ]
     return found
 
 
-def round_differences(lab: dict, sglang: dict) -> list[Difference]:
+def round_differences(lab: dict, sglang: dict) -> list[StepDifference]:
     found = []
     for left, right in zip(lab["rounds"], sglang["rounds"], strict=False):
         for quantity in ROUND_QUANTITIES:
             if left[quantity] != right[quantity]:
-                found.append(Difference(f"round {left['round']}", quantity, left[quantity], right[quantity]))
+                found.append(StepDifference(f"round {left['round']}", quantity, left[quantity], right[quantity]))
     if len(lab["rounds"]) != len(sglang["rounds"]):
-        found.append(Difference("rounds", "rounds answered", len(lab["rounds"]), len(sglang["rounds"])))
+        found.append(StepDifference("rounds", "rounds answered", len(lab["rounds"]), len(sglang["rounds"])))
     return found
 
 
@@ -189,7 +189,7 @@ def went_wrong(summary: dict) -> str | None:
 @dataclass
 class Comparison:
     summaries: dict[str, dict]
-    differences: list[Difference]
+    differences: list[StepDifference]
     kept: list[tuple[str, str]]  # the fidelity rows that explain the differences: (row, why)
 
     @property
@@ -239,7 +239,7 @@ def compare(
         differences += round_differences(summaries["lab"], summaries["sglang"])
     outputs = [summaries[impl]["outputs_match_reference"] for impl in ("lab", "sglang")]
     if outputs[0] != outputs[1]:
-        differences.append(Difference("run", "outputs_match_reference", *outputs))
+        differences.append(StepDifference("run", "outputs_match_reference", *outputs))
     sound = not any(went_wrong(s) for s in summaries.values())
     judged = (sound or alike is not None) and differences  # a kept row explains only differences of sound runs
     kept = [(row, why) for row, applies, why in KEPT if judged and applies(cfg, against)]

@@ -10,63 +10,58 @@ used; L3 worlds flush the cache between rounds, so that later rounds' hits come 
 
 from __future__ import annotations
 
-import argparse
 import signal
 from pathlib import Path
 
 from ...args import add_run_flags, config_from_args
 from ...errors import ConfigError
+from ..presets import World, config
 from ..sglang import releases
 from ..sglang.binder import SGLANG_CACHE
 from .compare import by_step, compare, with_impl
 from .mutants import MUTANTS, Mutant
 
-BASE = ("--num-clients", "8", "--num-rounds", "4", "--max-total-tokens", "512", "--enable-hierarchical-cache")
-L3 = ("--hicache-storage-backend", "file", "--flush-cache-between-rounds")
-WORLDS = (  # (name, flags beyond BASE)
-    ("PP 2", ("--pp", "2")),
-    ("PP 2, the proposals on", ("--pp", "2", "--enable-fix", "alloc_agreement", "--enable-fix", "prefetch_vote")),
-    ("PP 3", ("--pp", "3", "--num-layers", "3")),
-    ("PP 4", ("--pp", "4")),
-    ("TP 2 x PP 2", ("--tp", "2", "--pp", "2")),
-    ("CP 2", ("--cp", "2")),
-    ("CP 2 x PP 2", ("--cp", "2", "--pp", "2")),
-    ("L3 wait_complete", (*L3, "--hicache-storage-prefetch-policy", "wait_complete")),
-    ("L3 best_effort", (*L3, "--hicache-storage-prefetch-policy", "best_effort")),
-    ("L3 timeout", (*L3, "--hicache-storage-prefetch-policy", "timeout")),
-    ("CP 2, L3", ("--cp", "2", *L3)),
-    ("write_back, L3", ("--hicache-write-policy", "write_back", *L3)),
-    ("write_through_selective", ("--hicache-write-policy", "write_through_selective")),
-    ("page 16", ("--page-size", "16")),
-    ("page 64, PP 2", ("--page-size", "64", "--pp", "2", "--max-total-tokens", "1024")),
-    ("layer_first", ("--hicache-mem-layout", "layer_first")),
-    ("page_first", ("--hicache-mem-layout", "page_first")),
-    ("real latency, 2 ms delays", ("--latency", "real", "--injected-delay-ms", "2")),
-    ("PP 2, legacy", ("--pp", "2", "--sync", "legacy")),
-    ("CP 2, L3, legacy", ("--cp", "2", *L3, "--sync", "legacy")),
+BASE = "--num-clients 8 --num-rounds 4 --max-total-tokens 512 --enable-hierarchical-cache"
+L3 = "--hicache-storage-backend file --flush-cache-between-rounds"
+WORLDS = (  # flags beyond BASE
+    World("PP 2", "--pp 2"),
+    World("PP 2, the proposals on", "--pp 2 --enable-fix alloc_agreement --enable-fix prefetch_vote"),
+    World("PP 3", "--pp 3 --num-layers 3"),
+    World("PP 4", "--pp 4"),
+    World("TP 2 x PP 2", "--tp 2 --pp 2"),
+    World("CP 2", "--cp 2"),
+    World("CP 2 x PP 2", "--cp 2 --pp 2"),
+    World("L3 wait_complete", f"{L3} --hicache-storage-prefetch-policy wait_complete"),
+    World("L3 best_effort", f"{L3} --hicache-storage-prefetch-policy best_effort"),
+    World("L3 timeout", f"{L3} --hicache-storage-prefetch-policy timeout"),
+    World("CP 2, L3", f"--cp 2 {L3}"),
+    World("write_back, L3", f"--hicache-write-policy write_back {L3}"),
+    World("write_through_selective", "--hicache-write-policy write_through_selective"),
+    World("page 16", "--page-size 16"),
+    World("page 64, PP 2", "--page-size 64 --pp 2 --max-total-tokens 1024"),
+    World("layer_first", "--hicache-mem-layout layer_first"),
+    World("page_first", "--hicache-mem-layout page_first"),
+    World("real latency, 2 ms delays", "--latency real --injected-delay-ms 2"),
+    World("PP 2, legacy", "--pp 2 --sync legacy"),
+    World("CP 2, L3, legacy", f"--cp 2 {L3} --sync legacy"),
 )
-
-
-def world_config(flags: tuple[str, ...]):
-    parser = argparse.ArgumentParser()
-    add_run_flags(parser)
-    return config_from_args(parser.parse_args([*BASE, *flags]))
 
 
 def run_worlds(out: Path, binders: tuple, names: list[str] | None = None) -> list[dict]:
     """One row per world: its flags, whether both runs completed with exact outputs, and how they compare step
     by step (acks consumed, batches), rank by rank (endings, prefetch counts) and round by round (hits by tier)."""
     rows = []
-    for name, flags in WORLDS:
-        if names and name not in names:
+    for world in WORLDS:
+        if names and world.name not in names:
             continue
-        result = compare(world_config(flags), out / name.replace(" ", "_").replace(",", "").replace("'", ""), binders)
+        out_dir = out / world.name.replace(" ", "_").replace(",", "").replace("'", "")
+        result = compare(config(BASE, world.flags), out_dir, binders)
         ends = {impl: s["completed"] for impl, s in result.summaries.items()}
         exact = {impl: s["outputs_match_reference"] for impl, s in result.summaries.items()}
         rows.append(
             {
-                "world": name,
-                "flags": " ".join(flags),
+                "world": world.name,
+                "flags": world.flags,
                 "completed (lab, SGLang)": f"{ends['lab']}, {ends['sglang']}",
                 "exact (lab, SGLang)": f"{exact['lab']}, {exact['sglang']}",
                 "steps: acks, batches": _verdict([d for d in result.differences if d.quantity != "relay_sent"], "step"),
@@ -77,7 +72,7 @@ def run_worlds(out: Path, binders: tuple, names: list[str] | None = None) -> lis
         )
         alike = "equal" if result.sound else f"equal, both wrong alike ({result.wrong['lab']})"
         rows[-1]["verdict"] = alike if result.equal else "different"
-        print(f"{name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps: acks, batches']})", flush=True)
+        print(f"{world.name}: {rows[-1]['verdict']} (steps: {rows[-1]['steps: acks, batches']})", flush=True)
     return rows
 
 

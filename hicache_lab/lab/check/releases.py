@@ -15,7 +15,7 @@ from pathlib import Path
 from ...config import RunConfig
 from ...entrypoints.launch import run
 from ...errors import ConfigError
-from ..presets import WORLD
+from ..presets import WORLD, World
 from ..presets import config as preset_config
 from ..sglang import releases
 from ..sglang.binder import SGLANG_CACHE
@@ -23,24 +23,17 @@ from ..sglang.binder import SGLANG_CACHE
 BASE_FLAGS = f"{WORLD} --collective-timeout 20"  # the zoo's small world: host tier, output oracle, 3 layers
 
 
-@dataclass(frozen=True)
-class World:
-    key: str  # its name for --worlds
-    name: str
-    flags: str
-
-
 WORLDS = (
-    World("pp2", "PP 2", "--pp 2"),
-    World("pp3", "PP 3", "--pp 3"),
-    World("cp2", "CP 2", "--cp 2"),
-    World("cp2-dpa", "CP 2, DP attention", "--cp 2 --enable-dp-attention"),
-    World("tp2pp2", "TP 2 x PP 2", "--tp 2 --pp 2"),
-    World("pp2-async", "PP 2, async depth 1", "--pp 2 --pp-async-batch-depth 1"),
+    World("PP 2", "--pp 2", key="pp2"),
+    World("PP 3", "--pp 3", key="pp3"),
+    World("CP 2", "--cp 2", key="cp2"),
+    World("CP 2, DP attention", "--cp 2 --enable-dp-attention", key="cp2-dpa"),
+    World("TP 2 x PP 2", "--tp 2 --pp 2", key="tp2pp2"),
+    World("PP 2, async depth 1", "--pp 2 --pp-async-batch-depth 1", key="pp2-async"),
     World(
-        "pp2-l3",
         "PP 2, file L3, timeout",
         "--pp 2 --hicache-storage-backend file --hicache-storage-prefetch-policy timeout",
+        key="pp2-l3",
     ),
 )
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from ..sglang.conformance import Replay
+from ..sglang.replay import Replay
 from .style import OTHER_COLORS, save_figure
 
 # The lab against SGLang: not tiers, so OTHER_COLORS (OTHER_COLORS[0] is too close to the black bound line)
@@ -43,7 +43,7 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
 
 def plot_against_sglang_cache(runs: dict[str, tuple[dict, Replay]], path: Path) -> None:
     """One panel per configuration: hit rate by round as the lab's cache answered (solid line) and as
-    SGLang's cache answered the same recorded operations (`conformance.replay`: large hollow markers, dashed),
+    SGLang's cache answered the same recorded operations (`replay.replay`: large hollow markers, dashed),
     with the infinite-cache bound. `runs` maps a title to (the run's summary, its replay)."""
     fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.8), sharey=True, squeeze=False)
     for ax, (title, (summary, result)) in zip(axes[0], runs.items(), strict=True):

@@ -12,7 +12,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ...managers.step_trace import read_trace
-from ..teach.chain import crash_what
+from .chain import crash_what
 from .style import OTHER_COLORS
 
 RANK_STYLES = (  # ranks' lines often coincide: each drawn narrower than the one before, on top of it

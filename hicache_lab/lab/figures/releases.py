@@ -15,7 +15,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from ...errors import ConfigError
-from ..check.releases import WORLDS, World, format_table, run_cell
+from ..check.releases import WORLDS, format_table, run_cell
+from ..presets import World
 from ..sglang import releases
 from .style import save_figure
 

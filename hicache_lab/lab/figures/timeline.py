@@ -50,52 +50,8 @@ def plot_copy_timeline(runs: dict[str, Path], path: Path, pp: int = 2) -> dict[s
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.35 * pp * len(runs) + 0.6), sharex=True, squeeze=False)
     for ax, (label, stages) in zip(axes[:, 0], lives.items(), strict=True):
         for stage, life in stages.items():
-            y = pp - 1 - stage
-            ax.barh(
-                y,
-                life.consumed - life.started,
-                left=life.started,
-                height=0.5,
-                color="none",
-                hatch="///",
-                edgecolor=OTHER_COLORS[3],
-                linewidth=0,
-            )
-            ax.barh(
-                y,
-                life.seen - life.started,
-                left=life.started,
-                height=0.5,
-                color=TIER_COLORS["host"],
-                alpha=0.8,
-                label="copy in flight (own poll: not finished)" if stage == 0 else None,
-            )
-            ax.plot(
-                life.consumed,
-                y,
-                "o",
-                color=OTHER_COLORS[1],
-                markersize=10,
-                label="ack consumed: nodes unlocked" if stage == 0 else None,
-            )
-            ax.annotate(f"step {life.consumed}", (life.consumed, y), xytext=(8, 8), textcoords="offset points")
-            for step, count in life.relayed.items() if stage > 0 else ():
-                ax.annotate(
-                    "",
-                    xy=(step, y + 0.28),
-                    xytext=(step, pp - 1 - 0.28),
-                    arrowprops={"arrowstyle": "->", "color": OTHER_COLORS[0], "lw": 1},
-                )
-                ax.text(step + 0.08, (y + pp - 1) / 2, str(count), fontsize=8, color=OTHER_COLORS[0])
-        consumed = sorted({life.consumed for life in stages.values()})
-        if len(consumed) > 1:  # one stage has unlocked the nodes, another still holds them locked
-            ax.axvspan(consumed[0] - 0.1, consumed[-1] - 0.1, color=OTHER_COLORS[1], alpha=0.12)
-            ax.text(consumed[0], pp - 0.55, " the stages' trees differ", color=OTHER_COLORS[1], fontsize=8)
-        verdict = "the same step" if len(consumed) == 1 else "different steps"
-        ax.set_title(f"{label}: the stages consume its ack at {verdict}", loc="left", fontsize=10)
-        ax.set_yticks(range(pp), [f"stage {pp - 1 - y}" for y in range(pp)])
-        ax.set_ylim(-0.6, pp - 0.4)
-        ax.grid(axis="x", alpha=0.3)
+            _draw_lane(ax, stage, life, pp)
+        _finish_panel(ax, label, stages, pp)
     axes[-1, 0].set_xticks(range(last + 1))
     axes[-1, 0].set_xlim(-0.5, last + 0.5)
     axes[-1, 0].set_xlabel("scheduler step (each stage counts its own)")
@@ -110,3 +66,58 @@ def plot_copy_timeline(runs: dict[str, Path], path: Path, pp: int = 2) -> dict[s
     )
     save_figure(fig, path)
     return lives
+
+
+def _draw_lane(ax, stage: int, life: CopyLife, pp: int) -> None:
+    """One stage's lane: the copy in flight, its nodes locked, the ack consumed, and the relay that reached it."""
+    y = pp - 1 - stage
+    ax.barh(
+        y,
+        life.consumed - life.started,
+        left=life.started,
+        height=0.5,
+        color="none",
+        hatch="///",
+        edgecolor=OTHER_COLORS[3],
+        linewidth=0,
+    )
+    ax.barh(
+        y,
+        life.seen - life.started,
+        left=life.started,
+        height=0.5,
+        color=TIER_COLORS["host"],
+        alpha=0.8,
+        label="copy in flight (own poll: not finished)" if stage == 0 else None,
+    )
+    ax.plot(
+        life.consumed,
+        y,
+        "o",
+        color=OTHER_COLORS[1],
+        markersize=10,
+        label="ack consumed: nodes unlocked" if stage == 0 else None,
+    )
+    ax.annotate(f"step {life.consumed}", (life.consumed, y), xytext=(8, 8), textcoords="offset points")
+    for step, count in life.relayed.items() if stage > 0 else ():
+        ax.annotate(
+            "",
+            xy=(step, y + 0.28),
+            xytext=(step, pp - 1 - 0.28),
+            arrowprops={"arrowstyle": "->", "color": OTHER_COLORS[0], "lw": 1},
+        )
+        ax.text(step + 0.08, (y + pp - 1) / 2, str(count), fontsize=8, color=OTHER_COLORS[0])
+
+
+def _finish_panel(ax, label: str, stages: dict[int, CopyLife], pp: int) -> None:
+    """A run's panel: where the stages' trees differ (one has unlocked the nodes, another not), its title, lanes
+    and grid."""
+    consumed = sorted({life.consumed for life in stages.values()})
+    if len(consumed) > 1:  # one stage has unlocked the nodes, another still holds them locked
+        ax.axvspan(consumed[0] - 0.1, consumed[-1] - 0.1, color=OTHER_COLORS[1], alpha=0.12)
+        ax.text(consumed[0], pp - 0.55, " the stages' trees differ", color=OTHER_COLORS[1], fontsize=8)
+    verdict = "the same step" if len(consumed) == 1 else "different steps"
+    ax.set_title(f"{label}: the stages consume its ack at {verdict}", loc="left", fontsize=10)
+    ax.set_yticks(range(pp), [f"stage {pp - 1 - y}" for y in range(pp)])
+    ax.set_ylim(-0.6, pp - 0.4)
+    ax.grid(axis="x", alpha=0.3)

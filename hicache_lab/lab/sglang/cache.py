@@ -15,7 +15,7 @@ Nothing here decides anything: each method calls SGLang's own entry point, the o
   (the same steps the lab's copies finish at) or, for a recorded run, `AgreedCompletion` (completion.py: each
   copy finishes at the step the recorded rank consumed it).
 
-`conformance.py` drives this and the lab's cache with the same operations and compares their answers.
+`replay.py` drives this and the lab's cache with the same operations and compares their answers.
 """
 
 from __future__ import annotations

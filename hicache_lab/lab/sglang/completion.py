@@ -1,5 +1,5 @@
 """Copy completion replayed from a recorded run, for SGLang's cache (cache.py) in the conformance replay
-(conformance.py): on CPU SGLang's copies finish as they are issued, so each copy's finish event comes from here
+(replay.py): on CPU SGLang's copies finish as they are issued, so each copy's finish event comes from here
 instead, done at the step the recorded rank consumed its ack."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Recording a rank's cache operations (`run --record-cache-ops`), so that SGLang's cache can answer the same
-questions (conformance.py replays them: `python -m hicache_lab conform RUN_DIR`).
+questions (replay.py replays them: `python -m hicache_lab conform RUN_DIR`).
 
 `RecordingCache` stands between a rank's scheduler and its cache and writes every operation of the scheduler's
 contract (`mem_cache/base.BasePrefixCache`) with the lab's answer and the pools' state after it, one JSON line each, to

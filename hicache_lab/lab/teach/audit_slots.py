@@ -85,6 +85,14 @@ def writing_check_rules(audit, call: Call, cache, count: int, before: dict) -> N
     this rank, each node out of flight with its lock released once and published, no other node touched."""
     stage, queue = audit.layout.pp_rank, before["queue"]
     call.facts = {"count": count, "queued": len(queue), "finished": sum(before["finished"])}
+    acks = _ack_rules(stage, call, cache, count, before)
+    _node_rules(stage, call, cache, [i for ack in acks for i in ack.node_ids], before)
+
+
+def _ack_rules(stage: int, call: Call, cache, count: int, before: dict) -> list:
+    """The acks the call consumed: `count` of them, the first of the queue, oldest first, each copy finished.
+    Returns them."""
+    queue = before["queue"]
     left = {id(ack) for ack in cache.controller.ack_write_queue}
     taken = [i for i, ack in enumerate(queue) if id(ack) not in left]
     if len(taken) != count:
@@ -113,14 +121,26 @@ def writing_check_rules(audit, call: Call, cache, count: int, before: dict) -> N
             f"stage {stage} consumed the acks of nodes {unfinished[:3]} while their host copies were still "
             "being written on this rank",
         )
-    consumed = [i for ack in acks for i in ack.node_ids]
+    return acks
+
+
+def _locks_to_release(consumed: list[int], ongoing: dict) -> dict[int, int]:
+    """Per consumed node, how many locks the call must release on it: a release walks up to the root, so an
+    ancestor loses one lock per consumed descendant."""
     expected = dict.fromkeys(consumed, 0)
-    for i in consumed:  # a release walks up to the root: an ancestor loses one lock per consumed descendant
-        node = before["ongoing"].get(i)
+    for i in consumed:
+        node = ongoing.get(i)
         while node is not None:
             if node.id in expected:
                 expected[node.id] += 1
             node = node.parent
+    return expected
+
+
+def _node_rules(stage: int, call: Call, cache, consumed: list[int], before: dict) -> None:
+    """Each node whose ack the call consumed: out of flight, its lock released once, published; and no other
+    node taken out of flight."""
+    expected = _locks_to_release(consumed, before["ongoing"])
     for i in consumed:
         node = before["ongoing"].get(i)
         if node is None:

@@ -1,4 +1,5 @@
-"""The causal chain of a legacy pipeline crash, found in a run's step trace (the figures room draws it).
+"""The causal chain of a legacy pipeline crash, found in a run's step trace (the figures room puts it in words and
+draws it).
 
 Every stage keeps its own tree. With legacy sync a stage consumes the acks its own poll found finished, so now
 and then one stage consumes an ack (and unlocks the node its copy held) a step before another. Most of these
@@ -8,61 +9,51 @@ differences heal a step or two later, when the other stage consumes the same ack
     evictable room) -> a different admission (or prefix match) -> a different eviction -> different batches
     -> the crash
 
-`find_chain(rows, summary)` returns those links (`Link`: step, stages, what happened, per-stage values), in
-causal order: by step, and within a step in the order above (the scheduler consumes acks first, then admits
-requests against free + evictable room, evicting to make that room, then runs the batch; the forward pass
-crashes). Where the eviction came a step before the match it changed, the step order puts it first.
-The figures room draws them (`figures/chain.py`: `draw_chain`, one lane per stage, and `chain_figure`); what its
-top strip shows is found here too (`healed_steps`, `ahead_at`, `differing_steps`).
+`find_chain(rows, summary)` returns those links (`Link`: step, what happened, the stages it happened on, and its
+numbers: per stage, and the node, tokens, request or error it is about), in causal order: by step, and within a
+step in the order above (the scheduler consumes acks first, then admits requests against free + evictable room,
+evicting to make that room, then runs the batch; the forward pass crashes). Where the eviction came a step before
+the match it changed, the step order puts it first. Each link is found by a function of its own (`_ack_link`,
+`_unlock_link`, `_evict_link`, `_admit_link`, `_batch_link`, `_crash_link`). The figures room puts the links in
+words and draws them (`figures/chain.py`: `describe`, `lane_labels`, `draw_chain`, one lane per stage, and
+`chain_figure`); what its top strip shows is found here too (`healed_steps`, `ahead_at`, `differing_steps`).
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 PHASES = ("ack", "unlock", "admit", "evict", "batch", "crash")  # causal order within one step
-PHASE_TITLES = {
-    "ack": "ack consumed",
-    "unlock": "node unlocked",
-    "admit": "prefix match / admission",
-    "evict": "eviction",
-    "batch": "batch",
-    "crash": "crash",
-}
-
-
-def _short(text: str, length: int) -> str:
-    """`text`, cut to `length` characters with an ellipsis where it is longer."""
-    return text if len(text) <= length else text[: length - 1] + "…"
-
-
-def crash_what(error: str) -> str:
-    """A short name for a forward-pass crash: the failing view of the received hidden states, or the first
-    matmul on them; anything else: the exception's first words."""
-    if m := re.search(r"shape '(\[[^\]]*\])' is invalid for input of size (\d+)", error or ""):
-        return f"view as {m.group(1)} of {m.group(2)} values"
-    if m := re.search(r"mat1 and mat2 shapes cannot be multiplied \((\w+) and (\w+)\)", error or ""):
-        return f"matmul {m.group(1)} by {m.group(2)}"
-    return _short(error or "crashed", 40)
+Steps = dict[int, dict[int, dict]]  # step -> stage -> its trace row, for the steps every stage recorded
 
 
 @dataclass(frozen=True)
 class Link:
+    """One link of the chain, as numbers. `per_stage[k]` holds, by `what`: ack `acks_write`, `acks_load`,
+    `ready_write`; evict `evicted` ({node: tokens}) and `unmatched` (those of its nodes another stage kept);
+    admit `prefix` and `extend` of `request` (empty where the stage did not admit it); batch `kind`,
+    `requests`, `extend_tokens`, `prefix_tokens`; crash `rows` (the rows the crashing stage and the one before
+    it ran); unlock `unlocked` (whether the stage unlocked `node`)."""
+
     step: int
     what: str  # one of PHASES
     stages: tuple[int, ...]  # where it happened (the stages whose value differs from the rest, or the crashing one)
-    text: str  # one line with the numbers
-    values: dict[int, str] = field(default_factory=dict)  # per stage: what that stage did, for its lane
+    per_stage: dict[int, dict] = field(default_factory=dict)
+    node: int | None = None  # unlock: the node unlocked on `ahead` only; evict: that node, evicted there only
+    tokens: int | None = None  # unlock: the node's tokens
+    ahead: tuple[int, ...] = ()  # unlock, evict: the stages that consumed the ack first (evict: where `node` went)
+    request: int | None = None  # admit: the first request admitted differently
+    error: str | None = None  # crash: the failing stage's error
+    model: tuple[int | None, int | None] = (None, None)  # crash: hidden size and heads (the received rows' view)
 
     @property
     def order(self) -> tuple[int, int]:
         return self.step, PHASES.index(self.what)
 
 
-def _by_step(rows: list[dict]) -> tuple[list[int], dict[int, dict[int, dict]]]:
+def _by_step(rows: list[dict]) -> tuple[list[int], Steps]:
     ranks = sorted({r["rank"] for r in rows})
-    steps: dict[int, dict[int, dict]] = {}
+    steps: Steps = {}
     for r in rows:
         steps.setdefault(r["step"], {})[r["rank"]] = r
     common = {s: v for s, v in steps.items() if len(v) == len(ranks)}  # steps every stage recorded
@@ -89,150 +80,113 @@ def find_chain(rows: list[dict], summary: dict) -> list[Link]:
     if batch_step is None:
         return []
     ack_steps = [s for s in sorted(steps) if s <= batch_step and len({_acks(r) for r in steps[s].values()}) > 1]
-    evict_step = next(
-        (
-            s
-            for s in sorted(steps, reverse=True)
-            if s <= batch_step and len({frozenset(_ids(r.get("evicted_nodes", ()))) for r in steps[s].values()}) > 1
-        ),
-        None,
-    )
-    links: list[Link] = []
-    # the ack: the latest one-stage ack before the eviction that unlocked a node evicted there only
-    key_node, ack_step, ahead = None, (ack_steps[-1] if ack_steps else None), ()
-    if evict_step is not None:
-        evicted = {k: _ids(r.get("evicted_nodes", ())) for k, r in steps[evict_step].items()}
-        for s in reversed([s for s in ack_steps if s <= evict_step]):
-            unlocked = {k: _ids(r.get("unlocked_nodes", ())) for k, r in steps[s].items()}
-            for k in ranks:
-                only = [
-                    n for n in unlocked[k] if n in evicted[k] and all(n not in unlocked[o] for o in ranks if o != k)
-                ]
-                only = [n for n in only if all(n not in evicted[o] for o in ranks if o != k)]
-                if only:
-                    key_node, ack_step, ahead = only[0], s, (k,)
-                    break
-            if key_node is not None:
-                break
+    evict_step = next((s for s in sorted(steps, reverse=True) if s <= batch_step and _evictions_differ(steps[s])), None)
+    key_node, ack_step, ahead = _key_ack(ranks, steps, ack_steps, evict_step)
+    links = []
     if ack_step is not None:
-        at = steps[ack_step]
-        if not ahead:
-            most = max(sum(_acks(r)) for r in at.values())
-            ahead = tuple(k for k in ranks if sum(_acks(at[k])) == most)
-        links.append(
-            Link(
-                ack_step,
-                "ack",
-                ahead,
-                "acks consumed (write, load): " + ", ".join(f"stage {k} {_acks(at[k])}" for k in ranks),
-                {
-                    k: f"consumed {at[k]['acks_write']} write, {at[k]['acks_load']} load ack(s)\n"
-                    f"(its own poll: {at[k]['ready_write']} write ready)"
-                    for k in ranks
-                },
-            )
-        )
-        unlocked = {k: _ids(at[k].get("unlocked_nodes", ())) for k in ranks}
-        only = {k: {n: t for n, t in unlocked[k].items() if any(n not in unlocked[o] for o in ranks)} for k in ranks}
-        node = key_node if key_node is not None else next((n for k in ahead for n in only[k]), None)
-        if node is not None:
-            tokens = next(only[k][node] for k in ahead if node in only[k])
-            links.append(
-                Link(
-                    ack_step,
-                    "unlock",
-                    ahead,
-                    f"node {node} ({tokens} tokens) unlocked on stage {', '.join(map(str, ahead))} only",
-                    {
-                        k: f"node {node} unlocked: its {tokens} tok\nnow count as evictable room"
-                        if k in ahead
-                        else f"node {node} still locked\n(its ack not consumed yet)"
-                        for k in ranks
-                    },
-                )
-            )
+        ack = _ack_link(ranks, ack_step, steps[ack_step], ahead)
+        links += [ack, *_unlock_link(ranks, ack_step, steps[ack_step], ack.stages, key_node)]
     if evict_step is not None:
-        evicted = {k: _ids(steps[evict_step][k].get("evicted_nodes", ())) for k in ranks}
-        extra = {k: [n for n in evicted[k] if any(n not in evicted[o] for o in ranks)] for k in ranks}
-        differs = tuple(k for k in ranks if extra[k])
-        values = {}
-        for k in ranks:
-            count, tokens = len(evicted[k]), sum(evicted[k].values())
-            shown = ", ".join(map(str, extra[k][:3])) + (", …" if len(extra[k]) > 3 else "")
-            values[k] = f"evicted {count} node{'s' * (count != 1)} ({tokens} tok)" + (
-                f"\n{len(extra[k])} not on the other stage: {shown}" if extra[k] else ""
-            )
-        text = "device evictions: " + ", ".join(
-            f"stage {k} {len(evicted[k])} nodes ({sum(evicted[k].values())} tokens)" for k in ranks
-        )
-        if key_node is not None:
-            text += f"; node {key_node} on stage {ahead[0]} only"
-        links.append(Link(evict_step, "evict", differs, text, values))
+        links.append(_evict_link(ranks, evict_step, steps[evict_step], key_node, ahead))
     at = steps[batch_step]
+    links += [*_admit_link(ranks, batch_step, at), _batch_link(ranks, batch_step, at), *_crash_link(rows, summary)]
+    return sorted(links, key=lambda link: link.order)
+
+
+def _evictions_differ(at: dict[int, dict]) -> bool:
+    return len({frozenset(_ids(r.get("evicted_nodes", ()))) for r in at.values()}) > 1
+
+
+def _key_ack(
+    ranks: list[int], steps: Steps, ack_steps: list[int], evict_step: int | None
+) -> tuple[int | None, int | None, tuple[int, ...]]:
+    """The latest ack consumed on one stage only, before the eviction, that unlocked a node evicted on that stage
+    only: (the node, its step, (the stage,)); without one, (None, the latest such ack's step or None, ())."""
+    latest = ack_steps[-1] if ack_steps else None
+    if evict_step is None:
+        return None, latest, ()
+    evicted = {k: _ids(r.get("evicted_nodes", ())) for k, r in steps[evict_step].items()}
+    for s in reversed([s for s in ack_steps if s <= evict_step]):
+        unlocked = {k: _ids(r.get("unlocked_nodes", ())) for k, r in steps[s].items()}
+        for k in ranks:
+            others = [o for o in ranks if o != k]
+            only = [
+                n
+                for n in unlocked[k]
+                if n in evicted[k] and all(n not in unlocked[o] and n not in evicted[o] for o in others)
+            ]
+            if only:
+                return only[0], s, (k,)
+    return None, latest, ()
+
+
+def _ack_link(ranks: list[int], step: int, at: dict[int, dict], ahead: tuple[int, ...]) -> Link:
+    """The acks each stage consumed at `step`, ahead on `ahead` (else on the stages that consumed the most)."""
+    if not ahead:
+        most = max(sum(_acks(r)) for r in at.values())
+        ahead = tuple(k for k in ranks if sum(_acks(at[k])) == most)
+    numbers = {k: {q: at[k][q] for q in ("acks_write", "acks_load", "ready_write")} for k in ranks}
+    return Link(step, "ack", ahead, numbers)
+
+
+def _unlock_link(
+    ranks: list[int], step: int, at: dict[int, dict], ahead: tuple[int, ...], key_node: int | None
+) -> list[Link]:
+    """The node the ack unlocked on `ahead` only: `key_node` where the chain found one, else the first such node;
+    [] where there is none."""
+    unlocked = {k: _ids(at[k].get("unlocked_nodes", ())) for k in ranks}
+    only = {k: {n: t for n, t in unlocked[k].items() if any(n not in unlocked[o] for o in ranks)} for k in ranks}
+    node = key_node if key_node is not None else next((n for k in ahead for n in only[k]), None)
+    if node is None:
+        return []
+    tokens = next(only[k][node] for k in ahead if node in only[k])
+    numbers = {k: {"unlocked": k in ahead} for k in ranks}
+    return [Link(step, "unlock", ahead, numbers, node=node, tokens=tokens, ahead=ahead)]
+
+
+def _evict_link(ranks: list[int], step: int, at: dict[int, dict], key_node: int | None, ahead: tuple[int, ...]) -> Link:
+    """What each stage evicted at `step` and which of it another stage did not; `key_node` went on `ahead` only."""
+    evicted = {k: _ids(at[k].get("evicted_nodes", ())) for k in ranks}
+    unmatched = {k: [n for n in evicted[k] if any(n not in evicted[o] for o in ranks)] for k in ranks}
+    numbers = {k: {"evicted": evicted[k], "unmatched": unmatched[k]} for k in ranks}
+    return Link(step, "evict", tuple(k for k in ranks if unmatched[k]), numbers, node=key_node, ahead=ahead)
+
+
+def _admit_link(ranks: list[int], step: int, at: dict[int, dict]) -> list[Link]:
+    """The first request (by id) the stages admitted differently at `step`: on some of them only, or with
+    different prefixes; [] where they admitted alike."""
     prefix = {k: dict(zip(at[k]["requests"], at[k].get("prefix_lens", ()), strict=False)) for k in ranks}
     extend = {k: dict(zip(at[k]["requests"], at[k].get("extend_lens", ()), strict=False)) for k in ranks}
     requests = sorted({rid for k in ranks for rid in prefix[k]})
     odd = [rid for rid in requests if len({prefix[k].get(rid) for k in ranks}) > 1]
-    if odd:  # a request admitted on some stages only, or with a different prefix
-        rid = odd[0]
-        where = tuple(k for k in ranks if rid in prefix[k])
-        values = {
-            k: f"request {rid}: {prefix[k][rid]} cached + {extend[k][rid]} new tok"
-            if rid in prefix[k]
-            else f"request {rid} not admitted"
-            for k in ranks
-        }
-        text = f"request {rid}: " + ", ".join(
-            f"stage {k} " + (f"prefix {prefix[k][rid]}" if rid in prefix[k] else "not admitted") for k in ranks
-        )
-        links.append(Link(batch_step, "admit", where, text, values))
+    if not odd:
+        return []
+    rid = odd[0]
+    numbers = {k: {"prefix": prefix[k][rid], "extend": extend[k][rid]} if rid in prefix[k] else {} for k in ranks}
+    return [Link(step, "admit", tuple(k for k in ranks if rid in prefix[k]), numbers, request=rid)]
+
+
+def _batch_link(ranks: list[int], step: int, at: dict[int, dict]) -> Link:
+    """The batch each stage ran at `step`, on the stages whose batch differs from another's."""
     differ = tuple(k for k in ranks if any(_batch(at[k]) != _batch(at[o]) for o in ranks))
-    links.append(
-        Link(
-            batch_step,
-            "batch",
-            differ,
-            "batches: "
-            + "; ".join(
-                f"stage {k} {at[k]['kind']} {at[k]['requests']} ({at[k]['extend_tokens']} new, "
-                f"{at[k]['prefix_tokens']} cached tokens)"
-                for k in ranks
-            ),
-            {
-                k: f"{at[k]['kind']} {at[k]['requests']}\n"
-                f"{at[k]['extend_tokens']} new, {at[k]['prefix_tokens']} cached tok"
-                for k in ranks
-            },
-        )
-    )
-    if summary.get("crashed") and summary.get("failing_rank") is not None:
-        failing = summary["failing_rank"]
-        crash_step = max(r["step"] for r in rows if r["rank"] == failing)
-        model = summary.get("config", {}).get("model", {})
-        hidden, heads = model.get("hidden_size"), model.get("num_heads")
-        mine = next((r for r in rows if r["rank"] == failing and r["step"] == crash_step), None)
-        before = next((r for r in rows if r["rank"] == failing - 1 and r["step"] == crash_step), None)
-        values = {k: "" for k in ranks}
-        if before is not None and hidden:
-            rows_sent = before["extend_tokens"]
-            values[failing - 1] = f"sends {rows_sent} rows × {hidden} to stage {failing}" + (
-                "\n(it ran nothing)" if not rows_sent else ""
-            )
-        if mine is not None:
-            label = crash_what(summary["error"])
-            size = re.search(r"input of size (\d+)", summary["error"] or "")
-            if before is not None and hidden and heads and size and label.startswith("view"):
-                n, d = mine["extend_tokens"], hidden // heads
-                label = (
-                    f"views {size.group(1)} = {before['extend_tokens']} × {hidden} values as [{n}, -1, {d}]:\n"
-                    f"not a multiple of {n} × {d} = {n * d}: the view fails"
-                )
-            if before is not None and not before["extend_tokens"] and label.startswith("matmul") and heads:
-                shape = f"[{mine['extend_tokens']}, -1, {hidden // heads}]"
-                label = f"views 0 values as {shape}: legal (-1 is 0);\nits first matmul fails: {label[7:]}"
-            values[failing] = f"with its own {mine['extend_tokens']} rows, it\n{label}"
-        links.append(Link(crash_step, "crash", (failing,), f"stage {failing} crashed: {summary['error']}", values))
-    return sorted(links, key=lambda link: link.order)
+    numbers = {k: {q: at[k][q] for q in ("kind", "requests", "extend_tokens", "prefix_tokens")} for k in ranks}
+    return Link(step, "batch", differ, numbers)
+
+
+def _crash_link(rows: list[dict], summary: dict) -> list[Link]:
+    """The failing stage's crash at the last step it recorded, with the rows it and the stage before it ran
+    there; [] where no stage crashed."""
+    if not summary.get("crashed") or summary.get("failing_rank") is None:
+        return []
+    failing = summary["failing_rank"]
+    step = max(r["step"] for r in rows if r["rank"] == failing)
+    numbers = {}
+    for k in (failing - 1, failing):
+        if (row := next((r for r in rows if r["rank"] == k and r["step"] == step), None)) is not None:
+            numbers[k] = {"rows": row["extend_tokens"]}
+    model = summary.get("config", {}).get("model", {})
+    width = (model.get("hidden_size"), model.get("num_heads"))
+    return [Link(step, "crash", (failing,), numbers, error=summary["error"], model=width)]
 
 
 def healed_steps(rows: list[dict], before: int) -> tuple[list[int], int]:

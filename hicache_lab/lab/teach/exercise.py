@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
-import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import SYNC_IMPL_SLOTS, RunConfig
 from ...entrypoints.ending import Interrupted
-from ...entrypoints.launch import run
+from ...entrypoints.launch import exit_code, run
 from ...errors import ConfigError
 from ..check.faults import FAULTS
-from ..presets import WORLD, config
+from ..presets import WORLD, World, config
 from .explain import (
     audit_lines,
     crash_kind,
@@ -52,12 +51,6 @@ from .sync_impl import SYNC_IMPLS
 STORAGE = (
     "--hicache-storage-backend file --hicache-storage-prefetch-policy wait_complete --storage-prefetch-threshold 16"
 )
-
-
-@dataclass(frozen=True)
-class World:
-    name: str
-    flags: str
 
 
 WORLDS = (
@@ -119,9 +112,7 @@ class Verdict:
     @property
     def exit_code(self) -> int:
         """0 passed, 1 failed or could not judge, 128 + signal interrupted (as `run`'s)."""
-        if self.interrupted:
-            return 128 + signal.Signals[self.interrupted]
-        return 0 if self.ok and self.judged else 1
+        return exit_code(self.interrupted, self.ok and self.judged)
 
 
 def spec_of(slot: str, value: str | Callable) -> str:
