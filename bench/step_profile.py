@@ -3,7 +3,7 @@ stages, the scheduler's own work, the lab's bookkeeping, and what none of them c
 
 Each run is the demo's (`python -m hicache_lab demo`: the default workload, model and `--latency virtual`,
 `--sync fixed`) at each of `--pp-sizes` with each of `--tiers` (L1 only; L1 + L2), launched as the lab always
-launches a world (`entrypoints/launch.run`: spawned gloo ranks, one process per rank; one rank runs in this
+launches a world (`entrypoints/launch.run_world`: spawned gloo ranks, one process per rank; one rank runs in this
 process). `step_timer.TIMER`, given to the run, makes every rank time its steps (bench/step_timer.py, which
 says what each category holds): exclusive time of the calls the event loop makes, accumulated over the whole
 `StageLoop.run`, so the categories sum to the loop's time exactly and `unattributed` is the loop's own code (and

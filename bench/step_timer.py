@@ -1,5 +1,5 @@
 """Where a rank's scheduler steps spend their time (bench/step_profile.py). A run times its steps when it is
-given `TIMER` (`launch.run(cfg, out, binders=(TIMER,))`, entrypoints/binders.py); without it nothing is wrapped
+given `TIMER` (`launch.run_world(cfg, out, binders=(TIMER,))`, entrypoints/binders.py); without it nothing is wrapped
 and nothing costs.
 
 `StepTimer.attach(loop)` shadows, on this rank's instances only (instance attributes, as every binder binds

@@ -36,7 +36,7 @@ if (
 
 from .args import add_run_flags, config_from_args
 from .entrypoints.ending import Interrupted
-from .entrypoints.launch import exit_code, run
+from .entrypoints.launch import exit_code, run_world
 from .entrypoints.outdir import OutputError
 from .entrypoints.report import divergence_words, mean_hit_rate, passed
 from .entrypoints.torchrun import TORCHRUN_VARIABLES, run_under_torchrun, started_by_torchrun
@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if summary is None:
             return 0
     else:
-        summary = run(cfg, Path(args.out), binders=args.binders)
+        summary = run_world(cfg, Path(args.out), binders=args.binders)
     print(f"wrote {args.out}/summary.json, requests.jsonl and trace_rank*.jsonl ({summary['elapsed_s']:.1f} s)")
     if sglang is not None:
         compare_with_sglang(summary, sglang, args.compare_sglang, Path(args.out) / "hit_rate_vs_sglang.png")
@@ -104,7 +104,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             parallel=dataclasses.replace(base.parallel, sync=sync),
         )
         print(f"\n=== {label}  (--pp {cfg.parallel.pp} --sync {sync}) ===")
-        summaries[name] = run(cfg, out / name, binders=args.binders)
+        summaries[name] = run_world(cfg, out / name, binders=args.binders)
     bound = mean_hit_rate(summaries["l1_only"]["rounds"], first, last, key="upper_bound_hit_rate")
     print(f"\nmean hit rate, rounds {first}-{last} (infinite cache: {bound:.1%}):")
     for name, label, _, _ in DEMO_RUNS:

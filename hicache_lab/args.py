@@ -1,8 +1,9 @@
 """The `run` flags (SGLang's `server_args.py`): one table from flag to config field, defaults taken from the
 config dataclasses.
 
-`add_run_flags` puts them on a parser; `config_from_args` turns parsed flags into a validated `RunConfig`.
-The CLI, the bug zoo, the presets and the benchmarks all read flags through here.
+`add_run_flags` puts them on a parser; `config_from_args` turns parsed flags into a validated `RunConfig`;
+`sglang_flags` says which SGLang server flags a configuration corresponds to. The CLI, the bug zoo, the presets and
+the benchmarks all read flags through here.
 """
 
 from __future__ import annotations
@@ -276,3 +277,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 def _dest(flag: str) -> str:
     return flag.lstrip("-").replace("-", "_")
+
+
+def sglang_flags(cfg: RunConfig) -> str:
+    """The SGLang server flags this run corresponds to."""
+    p, c = cfg.parallel, cfg.cache
+    flags = [f"--tp-size {p.tp * p.cp}", f"--pp-size {p.pp}", f"--page-size {c.page_size}"]
+    flags.append(f"--max-total-tokens {c.max_total_tokens}")
+    if p.cp > 1:
+        flags.append(f"--attn-cp-size {p.cp}")
+    if c.enable_hierarchical_cache:
+        flags.append("--enable-hierarchical-cache")
+        size = f"--hicache-size {c.hicache_size_gb:g}" if c.hicache_size_gb else f"--hicache-ratio {c.hicache_ratio:g}"
+        flags += [size, f"--hicache-write-policy {c.write_policy}", f"--hicache-mem-layout {c.host_layout}"]
+    return " ".join(flags)

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from hicache_lab.config import ModelConfig
 from hicache_lab.distributed.parallel_state import RankLayout, build_groups
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.rank import build_rank
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD, config
@@ -26,7 +26,7 @@ def with_dtype(dtype: str, *flags: str):
 
 
 def test_a_bf16_run_matches_its_reference_from_every_tier():
-    summary = run(with_dtype("bfloat16", "--enable-hierarchical-cache --check-outputs"), verbose=False)
+    summary = run_world(with_dtype("bfloat16", "--enable-hierarchical-cache --check-outputs"), verbose=False)
     assert summary["completed"], summary["error"]
     assert summary["oracle"]["ok"], summary["oracle"]
     assert summary["oracle"]["logit_atol"] == 0.25, "bf16's tolerance, not fp32's"
@@ -74,11 +74,13 @@ def test_a_float32_run_beside_a_bf16_run_on_one_store_keeps_to_its_own_pages(tmp
     """The bf16 run fills the store first. The float32 run on it writes its pages under other names (the bf16
     pages stay byte for byte), and hits and answers exactly as on an empty store."""
     store = tmp_path / "store"
-    bf16 = run(with_dtype("bfloat16", FILE_STORE, f"--hicache-storage-dir {store}"), verbose=False)
+    bf16 = run_world(with_dtype("bfloat16", FILE_STORE, f"--hicache-storage-dir {store}"), verbose=False)
     assert sum(r["cached_storage"] for r in bf16["rounds"]) > 0, "the bf16 run must have stored and read pages"
     bf16_pages = {path.name: path.read_bytes() for path in store.iterdir()}
-    shared = run(with_dtype("float32", FILE_STORE, f"--hicache-storage-dir {store}", "--check-outputs"), verbose=False)
-    alone = run(with_dtype("float32", FILE_STORE, f"--hicache-storage-dir {tmp_path / 'empty'}"), verbose=False)
+    shared = run_world(
+        with_dtype("float32", FILE_STORE, f"--hicache-storage-dir {store}", "--check-outputs"), verbose=False
+    )
+    alone = run_world(with_dtype("float32", FILE_STORE, f"--hicache-storage-dir {tmp_path / 'empty'}"), verbose=False)
     assert shared["oracle"]["ok"], shared["oracle"]
     assert {path.name: path.read_bytes() for path in store.iterdir() if path.name in bf16_pages} == bf16_pages
     assert len(list(store.iterdir())) == 2 * len(bf16_pages), "each run its own key set"

@@ -68,7 +68,7 @@ class Binder:
 
     def runs_unbounded_code(self, cfg: RunConfig) -> bool:
         """Whether, in `cfg`, it puts code into a rank that the lab cannot bound from inside the process (a
-        user's, another library's): then even a world of one rank runs in a process of its own (launch.run)."""
+        user's, another library's): then even a world of one rank runs in a process of its own (launch.run_world)."""
         return False
 
 
@@ -90,7 +90,7 @@ def refuse_unserved(cfg: RunConfig, binders: tuple[Binder, ...]) -> None:
     if unserved:
         raise ConfigError(
             f"{', '.join(unserved)}: lab tooling that nothing in this run serves; run it with "
-            "`python -m hicache_lab run`, or pass launch.run the lab's binders (hicache_lab.lab.binders.LAB)"
+            "`python -m hicache_lab run`, or pass launch.run_world the lab's binders (hicache_lab.lab.binders.LAB)"
         )
 
 

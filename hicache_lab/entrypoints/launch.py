@@ -233,7 +233,9 @@ def _stop(procs: list, end: WorldEnd) -> dict[int, str]:
     return stopped
 
 
-def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binders: tuple[Binder, ...] = ()) -> dict:
+def run_world(
+    cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, binders: tuple[Binder, ...] = ()
+) -> dict:
     """Run the workload on the whole world; returns (and writes) the merged summary. `out_dir` (None: a scratch
     directory) is the run's own while it runs (outdir.Claim). `binders` attach tooling to every rank
     (binders.py); a lab field none of them serves is a ConfigError, before any rank starts."""

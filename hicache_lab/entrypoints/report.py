@@ -9,6 +9,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..args import sglang_flags
 from ..config import RunConfig
 from ..managers.schedule_batch import Req
 from ..managers.step_trace import StepRecord, first_divergence, read_trace
@@ -91,20 +92,6 @@ def _merge_scheduling(results: list[dict]) -> dict:
         "max_relay_sends_rank": most["rank"],
         "max_older_relay_sends": max(r["scheduling"]["max_older_relay_sends"] for r in counted),
     }
-
-
-def sglang_flags(cfg: RunConfig) -> str:
-    """The SGLang server flags this run corresponds to."""
-    p, c = cfg.parallel, cfg.cache
-    flags = [f"--tp-size {p.tp * p.cp}", f"--pp-size {p.pp}", f"--page-size {c.page_size}"]
-    flags.append(f"--max-total-tokens {c.max_total_tokens}")
-    if p.cp > 1:
-        flags.append(f"--attn-cp-size {p.cp}")
-    if c.enable_hierarchical_cache:
-        flags.append("--enable-hierarchical-cache")
-        size = f"--hicache-size {c.hicache_size_gb:g}" if c.hicache_size_gb else f"--hicache-ratio {c.hicache_ratio:g}"
-        flags += [size, f"--hicache-write-policy {c.write_policy}", f"--hicache-mem-layout {c.host_layout}"]
-    return " ".join(flags)
 
 
 def write_requests(out_dir: Path, reqs: list[Req]) -> None:

@@ -18,5 +18,6 @@ LAB: tuple[Binder, ...] = (SGLANG_CACHE, SYNC_IMPLS, FAULTS, RECORDING)  # in th
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, more: tuple[Binder, ...] = ()) -> dict:
-    """`launch.run` with the lab's binders (and `more` after them)."""
-    return launch.run(cfg, out_dir, verbose, binders=(*LAB, *more))
+    """`launch.run_world` with the lab's binders (and `more` after them): the `run` of the notebooks, scripts and
+    lab tools."""
+    return launch.run_world(cfg, out_dir, verbose, binders=(*LAB, *more))

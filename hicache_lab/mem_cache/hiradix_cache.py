@@ -17,7 +17,7 @@
   tree as host-only nodes below that anchor.
 
 The storage tier moves pages; only this class changes the tree. Each of these is checked against SGLang 0.5.23's
-own cache (lab/sglang/conformance.py).
+own cache (lab/sglang/replay.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 
 
 def test_a_head_waiting_for_room_held_by_prefetch_anchors_behind_it_does_not_livelock(small_config, tmp_path):
@@ -25,7 +25,7 @@ def test_a_head_waiting_for_room_held_by_prefetch_anchors_behind_it_does_not_liv
     )
     cfg.model.num_layers = 4
     cfg.workload.num_rounds, cfg.workload.seed = 3, 287852352
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"] is True
 
 
@@ -39,5 +39,5 @@ def test_a_later_stage_waits_for_its_own_agreement_of_a_prefetch_batch(world_con
     cache = {"storage_backend": "file", "prefetch_policy": "timeout", "prefetch_threshold": 16}
     cfg = dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, flush_between_rounds=True, **cache))
     cfg.model.num_layers, cfg.workload.num_rounds, cfg.workload.seed = 4, 3, 174809984
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"], summary["error"]

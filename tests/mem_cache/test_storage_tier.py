@@ -11,7 +11,7 @@ import torch
 
 from hicache_lab.config import CacheConfig
 from hicache_lab.distributed.cache_sync import CacheSync
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.report import storage_hit_rate as storage_hit
 from hicache_lab.lab.presets import TIER_CACHES, tier_config
 from hicache_lab.mem_cache.build import KVShape, build_cache
@@ -31,7 +31,7 @@ def storage_world(world_config, **parallel):
 
 @pytest.fixture(scope="module")
 def single_rank_storage_hit(world_config, tmp_path_factory):
-    summary = run(storage_world(world_config), tmp_path_factory.mktemp("one"), verbose=False)
+    summary = run_world(storage_world(world_config), tmp_path_factory.mktemp("one"), verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
     return storage_hit(summary)
 
@@ -44,13 +44,13 @@ def test_flushed_caches_hit_from_storage_with_exact_outputs(single_rank_storage_
 def test_every_prefetch_policy_keeps_outputs_exact(world_config, tmp_path, policy):
     cfg = storage_world(world_config)
     cfg.cache.prefetch_policy = policy
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
 
 
 @pytest.mark.spawns
 def test_cp_peers_with_fixed_keys_hit_like_one_rank(world_config, tmp_path, single_rank_storage_hit):
-    summary = run(storage_world(world_config, cp=2), tmp_path, verbose=False)
+    summary = run_world(storage_world(world_config, cp=2), tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
     assert storage_hit(summary) == pytest.approx(single_rank_storage_hit)
 
@@ -63,7 +63,7 @@ def test_cp_rank_in_storage_keys_collapses_the_hit_rate_only_with_one_writer(wor
     for writers in ("one", "every-rank"):
         cfg = storage_world(world_config, cp=2, disable_fixes=("storage_keys",))
         cfg.cache.storage_writers = writers
-        summary = run(cfg, tmp_path / writers, verbose=False)
+        summary = run_world(cfg, tmp_path / writers, verbose=False)
         assert summary["completed"] and not summary["diverged"]
         hits[writers] = storage_hit(summary)
     assert hits["one"] == 0.0 and hits["every-rank"] > 0.5
@@ -71,7 +71,7 @@ def test_cp_rank_in_storage_keys_collapses_the_hit_rate_only_with_one_writer(wor
 
 @pytest.mark.spawns
 def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
-    summary = run(storage_world(world_config, cp=2, sync="legacy"), tmp_path, verbose=False)
+    summary = run_world(storage_world(world_config, cp=2, sync="legacy"), tmp_path, verbose=False)
     assert summary["diverged"]
 
 
@@ -79,7 +79,7 @@ def test_legacy_cp_storage_sync_diverges(world_config, tmp_path):
 def test_real_prefetch_and_backup_threads_keep_cp_peers_together(world_config, tmp_path, single_rank_storage_hit):
     cfg = storage_world(world_config, cp=2)
     cfg.cache.latency = "real"  # a backup thread and a prefetch thread per rank, agreeing on their own groups
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"]
     # wait_complete: what storage holds all arrives; with real threads a backup still in flight when the next
     # round looks is a (rare) miss, so the rate may fall a little short of the virtual single rank's
@@ -98,7 +98,7 @@ def test_a_wall_clock_timeout_decided_by_pp_rank_0_keeps_the_stages_together(wor
         cfg.cache.latency, cfg.cache.prefetch_policy = "real", "timeout"
         cfg.cache.prefetch_timeout_base_s, cfg.cache.prefetch_timeout_per_ki_token_s = deadline_s, 0.0
         out = tmp_path / f"{deadline_s:g}s"
-        summary = run(cfg, out, verbose=False)
+        summary = run_world(cfg, out, verbose=False)
         assert summary["completed"] and not summary["diverged"] and summary["outputs_match_reference"], summary["error"]
         storage = [json.loads((out / f"rank{r}.json").read_text())["storage"] for r in (0, 1)]
         taken = [(s["cut_short"], s["pages_prefetched"]) for s in storage]
@@ -113,7 +113,7 @@ def test_write_back_backs_evicted_nodes_up_to_storage(world_config, tmp_path):
     (SGLang's `_evict_write_back` -> `write_backup_storage`), so a flushed cache finds pages there."""
     cfg = storage_world(world_config)
     cfg.cache.write_policy = "write_back"
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"], summary["error"]
     assert json.loads((tmp_path / "rank0.json").read_text())["storage"]["pages_backed_up"] > 0
     assert sum(r["cached_storage"] for r in summary["rounds"] if r["round"] > 0) > 0
@@ -128,7 +128,7 @@ def test_a_prefetch_the_host_cannot_hold_is_revoked_at_once_and_its_request_keep
     for name, fixes in (("released", ()), ("kept in flight", ("alloc_agreement",))):
         cfg = tier_config(**TIER_CACHES["L1 + L2 + L3"])
         cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, enable_fixes=fixes))
-        summary = run(cfg, tmp_path / name.replace(" ", "_"), verbose=False)
+        summary = run_world(cfg, tmp_path / name.replace(" ", "_"), verbose=False)
         assert summary["completed"] and summary["outputs_match_reference"] is not False, summary["error"]
         storage = json.loads((tmp_path / name.replace(" ", "_") / "rank0.json").read_text())["storage"]
         found[name] = (storage["no_host_room"], summary["rounds"][3]["cached_host"])

@@ -10,7 +10,7 @@ import pytest
 
 from hicache_lab.config import LabConfig
 from hicache_lab.entrypoints.binders import Binder
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.binders import LAB
 
@@ -29,7 +29,7 @@ from hicache_lab.lab.binders import LAB
 def test_a_lab_flag_nothing_serves_is_refused_before_any_rank_starts(small_config, tmp_path, change, flag):
     cfg = small_config(check_outputs=False).with_lab(**change)
     with pytest.raises(ConfigError, match=f"^{flag}: lab tooling that nothing in this run serves"):
-        run(cfg, tmp_path / "out", verbose=False)
+        run_world(cfg, tmp_path / "out", verbose=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -45,6 +45,6 @@ class Counting(Binder):
 
 
 def test_what_a_binder_binds_reaches_the_rank_and_its_result(small_config, tmp_path):
-    run(small_config(check_outputs=False), tmp_path, verbose=False, binders=(Counting(),))
+    run_world(small_config(check_outputs=False), tmp_path, verbose=False, binders=(Counting(),))
     rank, cache, iterations = json.loads((tmp_path / "rank0.json").read_text())["bound_into"]
     assert rank == 0 and cache == "RadixCache" and iterations > 0  # asked at the end: the run's steps are in it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicache_lab.config import CacheConfig, RunConfig
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.report import mean_hit_rate
 
 pytestmark = pytest.mark.slow  # the default workload, in this process: seconds
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow  # the default workload, in this process: seconds
 @pytest.fixture(scope="module")
 def demo_rounds():
     return {
-        hicache: run(RunConfig(cache=CacheConfig(enable_hierarchical_cache=hicache)), verbose=False)["rounds"]
+        hicache: run_world(RunConfig(cache=CacheConfig(enable_hierarchical_cache=hicache)), verbose=False)["rounds"]
         for hicache in (False, True)
     }
 

@@ -6,13 +6,13 @@ import dataclasses
 
 import pytest
 
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.lab.check.faults import FAULTS
 from hicache_lab.managers.step_trace import read_trace
 
 
 def timeline(cfg, out_dir):
-    run(cfg, out_dir, verbose=False)
+    run_world(cfg, out_dir, verbose=False)
     steps = [{k: v for k, v in row.items() if k != "ms"} for row in read_trace(out_dir)]
     return steps, (out_dir / "requests.jsonl").read_text()
 
@@ -48,7 +48,7 @@ def test_a_cp_peer_reading_its_writers_pages_finds_them_however_slow_the_writer(
     cfg, slow = (
         config(WORLD.replace("--check-outputs", ""), storage, extra) for extra in ("", "--fault slow-rank:0@20")
     )
-    runs = [run(c, tmp_path / name, verbose=False, binders=(FAULTS,)) for c, name in ((cfg, "a"), (slow, "b"))]
+    runs = [run_world(c, tmp_path / name, verbose=False, binders=(FAULTS,)) for c, name in ((cfg, "a"), (slow, "b"))]
     hit_rates = [[r["hit_rate"] for r in s["rounds"]] for s in runs]
     assert hit_rates[0][1] > 0.5, "round 1 finds its history in storage"
     assert hit_rates[0] == hit_rates[1]

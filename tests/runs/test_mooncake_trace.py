@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hicache_lab.config import CacheConfig, RunConfig, WorkloadConfig
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.report import mean_hit_rate
 from hicache_lab.errors import ConfigError
 from hicache_lab.lab.sglang.bench_log import read_bench_multiturn
@@ -70,7 +70,7 @@ def test_replayed_trace_is_served_correctly_and_the_host_tier_keeps_its_prefixes
     rates = {}
     for hicache in (False, True):  # a 4,096-token pool: the README's figures
         cfg = dataclasses.replace(base, cache=CacheConfig(max_total_tokens=4096, enable_hierarchical_cache=hicache))
-        summary = run(cfg, tmp_path / str(hicache), verbose=False)
+        summary = run_world(cfg, tmp_path / str(hicache), verbose=False)
         assert summary["outputs_match_reference"] is True
         rates[hicache] = mean_hit_rate(summary["rounds"], 6, 7)
         bound = mean_hit_rate(summary["rounds"], 6, 7, "upper_bound_hit_rate")

@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.report import whole_steps
 from hicache_lab.managers.step_trace import first_divergence, read_trace
 
@@ -32,39 +32,43 @@ def assert_consistent(summary):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_legacy_diverges_and_fixed_does_not(world_config, world, tmp_path):
-    legacy = run(world_config(sync="legacy", **WORLDS[world]), tmp_path / "legacy", verbose=False)
-    fixed = run(world_config(sync="fixed", **WORLDS[world]), tmp_path / "fixed", verbose=False)
+    legacy = run_world(world_config(sync="legacy", **WORLDS[world]), tmp_path / "legacy", verbose=False)
+    fixed = run_world(world_config(sync="fixed", **WORLDS[world]), tmp_path / "fixed", verbose=False)
     assert_diverged(legacy)
     assert_consistent(fixed)
     assert sum(r["cached_host"] for r in fixed["rounds"]) > 0, "the fixed run must exercise load-back"
 
 
 def test_tp_without_sync_diverges_and_legacy_tp_agreement_does_not(world_config, tmp_path):
-    off = run(world_config(tp=2, sync="off"), tmp_path / "off", verbose=False)
+    off = run_world(world_config(tp=2, sync="off"), tmp_path / "off", verbose=False)
     # legacy agrees on write acks over attention-TP; its load acks are not agreed (test_bug_zoo: load_acks)
-    legacy = run(world_config(tp=2, sync="legacy", enable_fixes=("agree_loads",)), tmp_path / "legacy", verbose=False)
+    legacy = run_world(
+        world_config(tp=2, sync="legacy", enable_fixes=("agree_loads",)), tmp_path / "legacy", verbose=False
+    )
     assert_diverged(off)
     assert "TP peers disagree" in off["error"]
     assert_consistent(legacy)
 
 
 def test_the_same_seed_gives_the_same_first_divergence(world_config, tmp_path):
-    firsts = [run(world_config(pp=2, sync="legacy"), tmp_path / n, verbose=False)["first_divergence"] for n in "ab"]
+    firsts = [
+        run_world(world_config(pp=2, sync="legacy"), tmp_path / n, verbose=False)["first_divergence"] for n in "ab"
+    ]
     assert firsts[0] == firsts[1]
 
 
 def test_consensus_check_fails_fast_at_the_first_divergent_step(world_config, tmp_path):
-    plain = run(world_config(pp=2, sync="legacy"), tmp_path / "plain", verbose=False)
-    checked = run(world_config(pp=2, sync="legacy", consensus_check=1), tmp_path / "checked", verbose=False)
+    plain = run_world(world_config(pp=2, sync="legacy"), tmp_path / "plain", verbose=False)
+    checked = run_world(world_config(pp=2, sync="legacy", consensus_check=1), tmp_path / "checked", verbose=False)
     step = plain["first_divergence"]["step"]
     assert checked["crashed"] and "ConsensusError" in checked["error"]
     assert f"at step {step}" in checked["error"] and plain["first_divergence"]["quantity"] in checked["error"]
 
 
 def test_cp_fix_alone_is_what_keeps_cp_peers_together(world_config, tmp_path):
-    without = run(world_config(cp=2, disable_fixes=("cp_groups",)), tmp_path / "without", verbose=False)
+    without = run_world(world_config(cp=2, disable_fixes=("cp_groups",)), tmp_path / "without", verbose=False)
     assert_diverged(without)
-    only_pp = run(
+    only_pp = run_world(
         world_config(pp=2, sync="legacy", enable_fixes=("pp_relay", "agree_loads")), tmp_path / "pp", verbose=False
     )
     assert_consistent(only_pp)
@@ -79,7 +83,7 @@ def test_host_pools_sized_in_bytes_agree_on_the_smallest(world_config, tmp_path)
         cfg.cache.hicache_size_gb = 0.0004
         cfg.workload.num_rounds = 1
         out = tmp_path / ("min" if not fixes else "own")
-        run(cfg, out, verbose=False)
+        run_world(cfg, out, verbose=False)
         return {row["rank"]: row["host_free"] for row in read_trace(out) if row["step"] == 0}
 
     assert host_free_at_start() == {0: 390, 1: 390}
@@ -88,7 +92,7 @@ def test_host_pools_sized_in_bytes_agree_on_the_smallest(world_config, tmp_path)
 
 def test_a_failing_rank_brings_the_world_down_in_seconds(world_config, tmp_path):
     cfg = world_config(pp=2, sync="legacy", collective_timeout_s=60)
-    summary = run(cfg, tmp_path, verbose=False)
+    summary = run_world(cfg, tmp_path, verbose=False)
     assert summary["crashed"] and summary["failing_rank"] is not None
     assert summary["elapsed_s"] < cfg.parallel.collective_timeout_s, "the others were stopped, not timed out"
 
@@ -102,7 +106,7 @@ def test_relay_sends_are_drained_every_step_and_grow_without_the_fix(world_confi
     for name, disabled in (("fixed", ()), ("polled", ("bounded_drain",))):
         cfg = world_config(pp=pp, disable_fixes=disabled)
         cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, round_barrier=False))
-        summaries[name] = run(cfg, tmp_path / name, verbose=False)
+        summaries[name] = run_world(cfg, tmp_path / name, verbose=False)
         assert summaries[name]["completed"], summaries[name]["error"]
         rows[name] = [row for row in read_trace(tmp_path / name) if row["rank"] == 0]
     fixed, polled = rows["fixed"], rows["polled"]
@@ -122,7 +126,7 @@ def test_released_sync_relays_once_a_step_and_the_allocation_vote_adds_sends(wor
     for name, fixes in (("released", ()), ("proposal", ("alloc_agreement",))):
         cfg = world_config(pp=2, enable_fixes=fixes)
         cfg = dataclasses.replace(cfg, workload=dataclasses.replace(cfg.workload, num_rounds=3))
-        summary = run(cfg, tmp_path / name, verbose=False)
+        summary = run_world(cfg, tmp_path / name, verbose=False)
         assert summary["completed"] and not summary["diverged"], summary["error"]
         sent[name] = [row["relay_sent"] for row in read_trace(tmp_path / name) if row["rank"] == 0]
     assert set(sent["released"]) == {1}

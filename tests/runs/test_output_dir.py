@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hicache_lab.entrypoints import outdir
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.entrypoints.outdir import LAB_FILES, MARKER, Claim, OutputError
 from hicache_lab.entrypoints.report import WorldEnd, read_results
 from hicache_lab.errors import ConfigError
@@ -67,7 +67,7 @@ def test_the_cleanup_knows_every_file_a_run_writes(small_config, tmp_path):
     cfg = small_config(enable_hierarchical_cache=True, record_cache_ops=True)
     audited = "writing_check=hicache_lab.mem_cache.hiradix_cache:HiRadixCache.writing_check"
     cfg = cfg.with_lab(sync_impls=(audited,))
-    assert run(cfg, tmp_path, verbose=False, binders=LAB)["completed"]
+    assert run_world(cfg, tmp_path, verbose=False, binders=LAB)["completed"]
     written = {p.name for p in tmp_path.iterdir() if p.is_file() and p.name != MARKER}
     assert {"summary.json", "sync_audit_rank0.jsonl", "rank0.cache_ops.jsonl"} <= written
     assert [name for name in written if not LAB_FILES.fullmatch(name)] == []

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.managers.schedule_batch import Req
 from hicache_lab.managers.scheduler import Scheduler
 from hicache_lab.managers.step_trace import read_trace
@@ -27,14 +27,14 @@ def under_pressure(cfg):
 
 
 def test_a_prompts_host_write_starts_in_the_step_of_its_prefill(small_config, tmp_path):
-    summary = run(small_config(enable_hierarchical_cache=True), tmp_path, verbose=False)
+    summary = run_world(small_config(enable_hierarchical_cache=True), tmp_path, verbose=False)
     assert summary["completed"]
     first = read_trace(tmp_path)[0]
     assert first["kind"] == "prefill" and first["host_write_tokens"] == first["extend_tokens"] > 0
 
 
 def test_chunked_prefill_and_retraction_keep_outputs_exact(small_config, tmp_path):
-    summary = run(under_pressure(small_config(enable_hierarchical_cache=True)), tmp_path, verbose=False)
+    summary = run_world(under_pressure(small_config(enable_hierarchical_cache=True)), tmp_path, verbose=False)
     assert summary["completed"] and summary["outputs_match_reference"] is True, summary["error"]
     counts = summary["scheduling"]
     assert counts["chunked_prefills"] > 0 and counts["retractions"] > 0, counts
@@ -42,8 +42,8 @@ def test_chunked_prefill_and_retraction_keep_outputs_exact(small_config, tmp_pat
 
 @pytest.mark.spawns
 def test_a_fixed_pipeline_agrees_through_chunks_and_retractions_and_legacy_does_not(world_config, tmp_path):
-    fixed = run(under_pressure(world_config(pp=2)), tmp_path / "fixed", verbose=False)
-    legacy = run(under_pressure(world_config(pp=2, sync="legacy")), tmp_path / "legacy", verbose=False)
+    fixed = run_world(under_pressure(world_config(pp=2)), tmp_path / "fixed", verbose=False)
+    legacy = run_world(under_pressure(world_config(pp=2, sync="legacy")), tmp_path / "legacy", verbose=False)
     assert fixed["completed"] and not fixed["diverged"] and fixed["outputs_match_reference"], fixed["error"]
     assert fixed["scheduling"]["chunked_prefills"] > 0 and fixed["scheduling"]["retractions"] > 0
     assert legacy["diverged"]
@@ -60,8 +60,8 @@ def test_an_async_pipeline_flushed_between_rounds_with_a_store_agrees_and_legacy
         store = {"storage_backend": "file", "storage_dir": str(tmp_path / sync / "store")}
         return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, flush_between_rounds=True, **store))
 
-    fixed = run(world("fixed"), tmp_path / "fixed", verbose=False)
-    legacy = run(world("legacy"), tmp_path / "legacy", verbose=False)
+    fixed = run_world(world("fixed"), tmp_path / "fixed", verbose=False)
+    legacy = run_world(world("legacy"), tmp_path / "legacy", verbose=False)
     assert fixed["completed"] and not fixed["diverged"] and fixed["outputs_match_reference"], fixed["error"]
     assert sum(r["cached_storage"] for r in fixed["rounds"]) > 0  # the store was read after each flush
     assert legacy["diverged"]

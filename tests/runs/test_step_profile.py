@@ -12,7 +12,7 @@ import pytest
 
 from bench import step_profile
 from bench.step_timer import CATEGORIES, StepTimer
-from hicache_lab.entrypoints.launch import run
+from hicache_lab.entrypoints.launch import run_world
 from hicache_lab.lab.presets import WORKLOAD
 
 
@@ -94,5 +94,5 @@ def test_every_rank_splits_its_steps_into_the_categories_at_pp_1_and_2(tmp_path,
 
 
 def test_steps_are_not_timed_unless_asked(small_config, tmp_path):
-    run(small_config(check_outputs=False), tmp_path, verbose=False)
+    run_world(small_config(check_outputs=False), tmp_path, verbose=False)
     assert "step_time" not in json.loads((tmp_path / "rank0.json").read_text())

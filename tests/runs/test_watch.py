@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from hicache_lab.entrypoints.launch import rank_processes, run
+from hicache_lab.entrypoints.launch import rank_processes, run_world
 from hicache_lab.entrypoints.report import WorldEnd
 from hicache_lab.entrypoints.watch import Watch, fork_server_pid, start_beating
 from hicache_lab.lab.presets import WORLD, config
@@ -65,7 +65,7 @@ def test_a_stopped_fork_server_is_ended_and_the_run_keeps_its_results(tmp_path):
 
     stopper = threading.Thread(target=stop_the_server_once_ranks_run)
     stopper.start()
-    summary = run(config(WORLD, "--pp 2 --num-rounds 2"), out, verbose=False)
+    summary = run_world(config(WORLD, "--pp 2 --num-rounds 2"), out, verbose=False)
     stopper.join()
     assert summary["completed"] and summary["outputs_match_reference"]
     assert summary["notes"] and "was stopped by a signal" in summary["notes"][0]

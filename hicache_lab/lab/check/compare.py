@@ -229,7 +229,7 @@ def compare(
     which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate change: mutants.py)."""
     sides = {"lab": "lab", "sglang": against}
     summaries = {
-        side: launch.run(with_impl(cfg, impl), out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
+        side: launch.run_world(with_impl(cfg, impl), out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
         for side, impl in sides.items()
     }
     first = [parted(s["first_divergence"]) for s in summaries.values()]

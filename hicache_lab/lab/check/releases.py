@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ...config import RunConfig
-from ...entrypoints.launch import run
+from ...entrypoints.launch import run_world
 from ...errors import ConfigError
 from ..presets import WORLD, World
 from ..presets import config as preset_config
@@ -89,7 +89,7 @@ def run_cell(release: str, world: World, out: Path) -> Cell:
         SGLANG_CACHE.check(cfg)
     except ConfigError as exc:
         return Cell(release, world.name, "refused", str(exc).split("cannot run this: ")[-1])
-    summary = run(cfg, out / f"sglang-{release}" / world.key, verbose=False, binders=(SGLANG_CACHE,))
+    summary = run_world(cfg, out / f"sglang-{release}" / world.key, verbose=False, binders=(SGLANG_CACHE,))
     return judge(release, world, summary)
 
 

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...entrypoints.launch import run
+from ...entrypoints.launch import run_world
 from ...errors import ConfigError
 from ..sglang.binder import SGLANG_CACHE, refusals
 from ..sglang.releases import missing
@@ -77,7 +77,7 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False, cache_impl: str = 
         if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
             shutil.copytree(store, out / f"{name}_store")
             flags += f" --hicache-storage-dir {out / f'{name}_store'}"
-        summary = run(entry_config(f"{flags} --cache-impl {impl}"), out / name, verbose, (FAULTS, SGLANG_CACHE))
+        summary = run_world(entry_config(f"{flags} --cache-impl {impl}"), out / name, verbose, (FAULTS, SGLANG_CACHE))
         runs.append(EntryRun(summary, entry.symptom(summary, out / name), out / name))
     return runs[0], runs[1]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ...config import RunConfig
 from ...distributed.parallel_state import stage_layers
-from ...entrypoints.launch import run
+from ...entrypoints.launch import run_world
 from ...mem_cache.hicache_storage import storage_suffix
 from ...parallel_config import PROPOSALS
 from ..presets import WORLD, config
@@ -26,7 +26,9 @@ STORAGE_FLAGS = (
 def evict_half_of_the_last_stage(storage_dir: Path, flags: str) -> None:
     """Fill a store with one fixed run, then drop every other page of the last stage's shard, as an L3 that
     evicts keys independently would: stages then find different leading hits for the same prompt."""
-    run(entry_config(f"{flags} --hicache-storage-dir {storage_dir}"), storage_dir.parent / "fill", False, (FAULTS,))
+    run_world(
+        entry_config(f"{flags} --hicache-storage-dir {storage_dir}"), storage_dir.parent / "fill", False, (FAULTS,)
+    )
     cfg = entry_config(flags)
     m, p = cfg.model, cfg.parallel
     suffix = storage_suffix(m, 0, p.tp, range(m.num_heads // p.tp), stage_layers(m.num_layers, p.pp, p.pp - 1))

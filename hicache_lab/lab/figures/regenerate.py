@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from ...config import RunConfig
-from ...entrypoints.launch import run
+from ...entrypoints.launch import run_world
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 from ..presets import BENCH_RESULTS, TIER_CACHES, WORKLOAD, config, tier_config
@@ -65,8 +65,8 @@ def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
     for pp in (2, 3):
         for sync in ("legacy", "fixed"):
             cfg = variant(base, pp, sync, enable_hierarchical_cache=True)
-            worlds[pp, sync] = (runs_dir / f"pp{pp}_{sync}", run(cfg, runs_dir / f"pp{pp}_{sync}", verbose=False))
-    l1_only = run(variant(base, 2), runs_dir / "pp2_l1", verbose=False)
+            worlds[pp, sync] = (runs_dir / f"pp{pp}_{sync}", run_world(cfg, runs_dir / f"pp{pp}_{sync}", verbose=False))
+    l1_only = run_world(variant(base, 2), runs_dir / "pp2_l1", verbose=False)
     plot_queue_divergence({f"--pp 2 --sync {sync}": worlds[2, sync] for sync in ("legacy", "fixed")}, out / FILES[0])
     hit_rates = {"L1 only": l1_only, "L1 + L2, legacy sync": worlds[2, "legacy"][1]}
     plot_hit_rates({**hit_rates, "L1 + L2, fixed sync": worlds[2, "fixed"][1]}, out / FILES[1])
@@ -78,7 +78,7 @@ def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
 
 def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dict]:
     summaries = {
-        label: run(tier_config(device, **cache), runs_dir / f"tier_{i}", verbose=False)
+        label: run_world(tier_config(device, **cache), runs_dir / f"tier_{i}", verbose=False)
         for i, (label, cache) in enumerate(TIER_CACHES.items())
     }
     plot_hit_rate_by_tier(summaries, out / FILES[3])

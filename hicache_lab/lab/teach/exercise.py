@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ...config import SYNC_IMPL_SLOTS, RunConfig
 from ...entrypoints.ending import Interrupted
-from ...entrypoints.launch import exit_code, run
+from ...entrypoints.launch import exit_code, run_world
 from ...errors import ConfigError
 from ..check.faults import FAULTS
 from ..presets import WORLD, World, config
@@ -138,7 +138,10 @@ def lockstep_cost(world: World, out_dir: Path, summary: dict, device: str, quick
     key = (world, device, quick)
     if key not in _relay_runs:  # one run of the relay per world in a process (the tests ask more than once)
         relay_dir = out_dir.parent / f"{out_dir.name}_relay"
-        _relay_runs[key] = relay_dir, run(exercise_config(world, (RELAY,), device, quick), relay_dir, False, BINDERS)
+        _relay_runs[key] = (
+            relay_dir,
+            run_world(exercise_config(world, (RELAY,), device, quick), relay_dir, False, BINDERS),
+        )
     relay_dir, reference = _relay_runs[key]
     return lockstep_words(out_dir, summary, relay_dir, reference)
 
@@ -168,7 +171,7 @@ def check(
         for i, world in enumerate(worlds):
             out = Path(out_dir) / f"world{i}"
             try:
-                summary = run(exercise_config(world, specs, device, quick), out, False, BINDERS)
+                summary = run_world(exercise_config(world, specs, device, quick), out, False, BINDERS)
             except (Interrupted, KeyboardInterrupt) as exc:  # between worlds, or as one starts
                 name = exc.name if isinstance(exc, Interrupted) else "SIGINT"
                 verdict.ok, verdict.judged, verdict.interrupted = False, False, name
