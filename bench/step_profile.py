@@ -45,7 +45,7 @@ from hicache_lab.config import RunConfig
 from hicache_lab.entrypoints.report import WorldEnd, read_results
 from hicache_lab.lab.binders import run
 
-TIERS = {"L1": False, "L1+L2": True}  # --tiers name -> enable_hierarchical_cache
+HOST_TIER = {"L1": False, "L1+L2": True}  # --tiers name -> enable_hierarchical_cache
 CSV_FIELDS = ["pp", "tiers", "rank", "category", "ms_per_step", "share", "steps", "loop_s", "wall_s"]
 TOP_CALLS = 6  # the costliest timed calls printed per category
 
@@ -137,7 +137,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(parser)
     parser.add_argument("--pp-sizes", type=int, nargs="+", default=[1, 2], help="pipeline stages of each run")
-    parser.add_argument("--tiers", nargs="+", default=list(TIERS), choices=TIERS, help="cache tiers of each run")
+    parser.add_argument(
+        "--tiers", nargs="+", default=list(HOST_TIER), choices=HOST_TIER, help="cache tiers of each run"
+    )
     parser.add_argument("--results-dir", default=str(RESULTS), help="where the CSV and JSON go")
     args = parser.parse_args()
     if args.pp != 1 or args.enable_hierarchical_cache:
@@ -159,7 +161,7 @@ def main() -> None:
         for tiers in args.tiers:
             cfg = dataclasses.replace(
                 base,
-                cache=dataclasses.replace(base.cache, enable_hierarchical_cache=TIERS[tiers]),
+                cache=dataclasses.replace(base.cache, enable_hierarchical_cache=HOST_TIER[tiers]),
                 parallel=dataclasses.replace(base.parallel, pp=pp),
             )
             result = profile_run(cfg)

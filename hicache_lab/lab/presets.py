@@ -7,7 +7,7 @@ the world it ran, and `config(...)` turns the same flags into a `RunConfig`.
   layer counts): the bug zoo, the exercises and the multi-rank tests add their world size and faults to it.
 * `World` - one world of a tool's list (the exercise's, `compare --worlds`', the release matrix's): a name and
   its flags.
-* `TIERS` / `TIER_CACHES` - one rank whose history outgrows device and host (8 conversations of 5 turns): the
+* `TIER_WORKLOAD` / `TIER_CACHES` - one rank whose history outgrows device and host (8 conversations of 5 turns): the
   hit rate per tier (figures, notebook 04). The storage run's prefetch threshold, 24 tokens, is above a turn's
   new tokens (16 beyond what the tree holds): from round 1 only a prompt whose history the host dropped asks storage.
 """
@@ -28,7 +28,7 @@ WORKLOAD = (
     "--sub-question-input-length 16 --output-length 8"
 )
 WORLD = f"--num-layers 3 {WORKLOAD} --enable-hierarchical-cache --check-outputs"
-TIERS = (
+TIER_WORKLOAD = (
     "--max-total-tokens 256 --num-clients 8 --num-rounds 5 --request-length 32 --sub-question-input-length 16 "
     "--output-length 8"
 )
@@ -57,7 +57,7 @@ def config(*flags: str) -> RunConfig:
 
 
 def tier_config(device: str = "cpu", **cache) -> RunConfig:
-    """`TIERS` on `device` with these CacheConfig fields (one of `TIER_CACHES`): from round 2 the histories
+    """`TIER_WORKLOAD` on `device` with these CacheConfig fields (one of `TIER_CACHES`): from round 2 the histories
     outgrow the 512-token host pool too (ratio 2), and from round 3 the storage tier finds what the host dropped."""
-    cfg = config(TIERS, f"--device {device}")
+    cfg = config(TIER_WORKLOAD, f"--device {device}")
     return dataclasses.replace(cfg, cache=dataclasses.replace(cfg.cache, **cache))

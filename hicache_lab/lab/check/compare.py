@@ -97,11 +97,11 @@ def with_impl(cfg: RunConfig, impl: str) -> RunConfig:
     if impl == "lab":
         cfg = cfg.with_lab(dp_attention=False)
     elif impl == "sglang":
-        lab_only = set(NO_SGLANG_SITE)
+        no_site = set(NO_SGLANG_SITE)
         p = dataclasses.replace(
             p,
-            enable_fixes=tuple(f for f in p.enable_fixes if f not in lab_only),
-            disable_fixes=tuple(f for f in p.disable_fixes if f not in lab_only),
+            enable_fixes=tuple(f for f in p.enable_fixes if f not in no_site),
+            disable_fixes=tuple(f for f in p.disable_fixes if f not in no_site),
         )
         cfg = cfg.with_lab(sync_impls=())
     else:

@@ -95,7 +95,7 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     save_figure(fig, path)
 
 
-TIERS = (
+TIER_ROWS = (
     ("cached_device", "device (L1)", TIER_COLORS["device"]),
     ("cached_host", "host (L2)", TIER_COLORS["host"]),
     ("cached_storage", "storage (L3)", TIER_COLORS["storage"]),
@@ -103,9 +103,9 @@ TIERS = (
 
 
 def _run_tiers(label: str, summary: dict) -> tuple:
-    """The rows of TIERS a run has: down to its deepest tier (all three where that is not known)."""
+    """The rows of TIER_ROWS a run has: down to its deepest tier (all three where that is not known)."""
     depth = {"device": 1, "host": 2, "storage": 3}.get(deepest_tier(label, summary), 3)
-    return TIERS[:depth]
+    return TIER_ROWS[:depth]
 
 
 def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
@@ -140,7 +140,7 @@ def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
         ax.set_ylim(0, 100)
         ax.grid(alpha=0.3, axis="y")
     axes[0][0].set_ylabel("prompt tokens found in cache (%)")
-    order = [name for _, name, _ in TIERS if name in drawn] + ["infinite cache (bound)"]
+    order = [name for _, name, _ in TIER_ROWS if name in drawn] + ["infinite cache (bound)"]
     axes[0][0].legend([drawn[n] for n in order], order, fontsize=7, loc="center right")
     save_figure(fig, path)
 
