@@ -7,10 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import MaxNLocator
 
 from ..sglang.replay import Replay
-from .style import OTHER_COLORS, save_figure
+from .style import OTHER_COLORS, rate_by_round, save_figure
 
 # The lab against SGLang: not tiers, so OTHER_COLORS (OTHER_COLORS[0] is too close to the black bound line)
 LAB_COLOR, SGLANG_COLORS = OTHER_COLORS[1], (OTHER_COLORS[2], OTHER_COLORS[4], OTHER_COLORS[5], OTHER_COLORS[3])
@@ -32,11 +31,7 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
         else:  # a run without --enable-round-barrier reports one overall rate
             (overall,) = (r for r in sglang_rows if r["tag"] == tag)
             ax.axhline(100 * overall["hit_rate"], ls="--", lw=1, color=color, label=f"SGLang: {tag} (overall)")
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("prefix cache hit rate (%)")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
+    rate_by_round(ax, "prefix cache hit rate (%)")
     ax.legend(fontsize=8)
     save_figure(fig, path)
 
@@ -60,10 +55,7 @@ def plot_against_sglang_cache(runs: dict[str, tuple[dict, Replay]], path: Path) 
         status += "; the replay stopped" if result.stopped else ""
         replayed = f"{result.replayed} of {result.operations} cache operations replayed"
         ax.set_title(f"{title}: {status}\n({replayed})", fontsize=9)
-        ax.set_xlabel("round")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylim(-3, 100)  # a rate of 0 stays visible above the axis
-        ax.grid(alpha=0.3)
+        rate_by_round(ax, bottom=-3)  # a rate of 0 stays visible above the axis
     axes[0][0].set_ylabel("prefix cache hit rate (%)")
     axes[0][0].legend(fontsize=8, loc="upper left")
     save_figure(fig, path)

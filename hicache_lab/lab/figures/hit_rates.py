@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from .style import OTHER_COLORS, TIER_COLORS, save_figure
+from .style import OTHER_COLORS, TIER_COLORS, rate_by_round, save_figure
 
 
 def deepest_tier(label: str, summary: dict | None = None) -> str | None:
@@ -86,11 +86,7 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
             label="infinite cache (bound)",
         )
     ax.set_title("prefix cache hit rate by round", fontsize=10)
-    ax.set_xlabel("round")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylabel("prompt tokens found in cache (%)")
-    ax.set_ylim(0, 100)
-    ax.grid(alpha=0.3)
+    rate_by_round(ax, "prompt tokens found in cache (%)")
     ax.legend(fontsize=8)
     save_figure(fig, path)
 

@@ -132,7 +132,7 @@ def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "
     """Every figure into `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     base = base_config(quick)
-    base = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, device=device))
+    base = dataclasses.replace(base, device=device)
     pipeline_figures(base, runs_dir, out)
     tier_figure(runs_dir, out, device)
     tree_figure(out)
