@@ -79,7 +79,7 @@ class StepTimer:
         timer.wrap_all(loop.sync, "sync", AGREEMENTS, "agreement")
         timer.wrap_all(loop.model, "model", ("embed", "forward_layers", "logits", "check_peers_agree"), "model")
         timer.wrap(loop, "_forward", "model", "loop._forward")
-        timer.wrap_all(loop, "loop", ("_send_sized", "_recv_sized", "_send_hidden", "_recv_hidden"), "comm")
+        timer.wrap_all(loop, "loop", ("_send_sized", "_recv_sized", "send_hidden", "recv_hidden"), "comm")
         timer.wrap(loop, "drain_sends", "comm", "loop.drain_sends")
         timer.wrap_all(scheduler, "scheduler", ("add", "schedule", "process_result", "new_round"), "scheduler")
         timer.wrap_all(loop, "loop", ("_exchange_requests", "_record"), "bookkeeping")

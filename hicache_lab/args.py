@@ -235,6 +235,18 @@ SWITCHES = [
         for verb in ("enable", "disable")
     ),
     (
+        "--plugin",
+        "lab.plugins",
+        tuple,
+        {
+            "action": "append",
+            "default": [],
+            "metavar": "MODULE:OBJECT",
+            "help": "bind your own protocol or policy, a Binder, into every rank (repeatable); MODULE: a module name "
+            "or a .py file (see hicache_lab/lab/plugins.py and examples/)",
+        },
+    ),
+    (
         "--sync-impl",
         "lab.sync_impls",
         tuple,

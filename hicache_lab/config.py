@@ -253,6 +253,7 @@ class LabConfig:
     skip_load_wait: bool = field(default=False, metadata={"flag": "--skip-load-wait"})
     record_cache_ops: bool = field(default=False, metadata={"flag": "--record-cache-ops"})  # for `conform`
     dp_attention: bool = field(default=False, metadata={"flag": "--enable-dp-attention"})  # SGLang's cache only
+    plugins: tuple[str, ...] = field(default=(), metadata={"flag": "--plugin"})  # MODULE:OBJECT (lab/plugins.py)
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ LAYERS = (  # bottom up
 )
 
 
-WING = ("__init__", "presets", "sglang", "check", "teach", "figures", "binders")  # lab/'s rooms, bottom up
+WING = ("__init__", "plugins", "presets", "sglang", "check", "teach", "figures", "binders")  # lab/'s rooms, bottom up
 CORE = ("distributed", "mem_cache", "model", "managers")
 
 

@@ -1,6 +1,7 @@
 """The lab's wing: what exists to teach, to check or to draw, beside the core it plugs into through one seam
 (entrypoints/binders.py). Its rooms, bottom up, each importing only from the ones before it:
 
+* `plugins` - `--plugin MODULE:OBJECT`: your own protocol or policy, a binder, loaded and bound into every rank;
 * `presets` - the worlds tools and tests run, as `run` flags;
 * `sglang/` - SGLang 0.5.23 as the reference: importing it on CPU (`cpu`), its own cache driven by the lab's
   scheduler (`cache`), the cache-op recorder (`recording`), the conformance replay (`replay`), its source

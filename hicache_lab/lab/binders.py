@@ -10,11 +10,12 @@ from ..config import RunConfig
 from ..entrypoints import launch
 from ..entrypoints.binders import Binder
 from .check.faults import FAULTS
+from .plugins import PLUGINS
 from .sglang.binder import SGLANG_CACHE
 from .sglang.recording import RECORDING
 from .teach.sync_impl import SYNC_IMPLS
 
-LAB: tuple[Binder, ...] = (SGLANG_CACHE, SYNC_IMPLS, FAULTS, RECORDING)  # in the order they bind
+LAB: tuple[Binder, ...] = (SGLANG_CACHE, SYNC_IMPLS, FAULTS, RECORDING, PLUGINS)  # in the order they bind
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, more: tuple[Binder, ...] = ()) -> dict:

@@ -174,7 +174,7 @@ class StageLoop:
                 self.model.embed(batch.forward.tokens) if n else torch.zeros(0, hidden_size, dtype=self.model.dtype)
             )
         else:
-            hidden = self._recv_hidden()
+            hidden = self.recv_hidden()
             # Like SGLang, a later stage reads the hidden states with its *own* token count.
             if n or hidden.numel():
                 hidden = hidden.view(n, -1, self.model.cfg.head_dim).view(n, -1)
@@ -182,7 +182,7 @@ class StageLoop:
         if n:
             hidden = self.model.forward_layers(hidden, batch.forward, self.pool)
         if self.pp_rank < self.last:
-            self._send_hidden(hidden)
+            self.send_hidden(hidden)
             return
         if n:
             last_rows = torch.tensor(batch.forward.extend_lens).cumsum(0) - 1
@@ -191,12 +191,16 @@ class StageLoop:
         if self.pp_size > 1:  # the output ring starts: last stage -> stage 0 -> stage 1 -> ...
             self._send_sized(torch.tensor(batch.tokens, dtype=torch.int64), 0)
 
-    def _send_hidden(self, hidden: torch.Tensor) -> None:
+    def send_hidden(self, hidden: torch.Tensor) -> None:
+        """A hook point (mem_cache/base.py): what travels to the next stage with its activations, a stage before the
+        last, once per micro-batch: here a [rows, cols] header on `pp_control`, then the activations."""
         self._isend(torch.tensor(hidden.shape, dtype=torch.int64), self.pp_rank + 1, self.groups.pp_control)
         if hidden.numel():
             self._isend(hidden.contiguous(), self.pp_rank + 1, self.groups.pp_compute)
 
-    def _recv_hidden(self) -> torch.Tensor:
+    def recv_hidden(self) -> torch.Tensor:
+        """A hook point: what a stage after the first receives with its activations (`send_hidden`'s pair), before
+        its forward; returns the activations."""
         shape = torch.zeros(2, dtype=torch.int64)
         dist.recv(shape, group_src=self.pp_rank - 1, group=self.groups.pp_control)
         hidden = torch.zeros(*shape.tolist(), device=self.model.device, dtype=self.model.dtype)

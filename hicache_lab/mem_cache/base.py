@@ -9,9 +9,11 @@ Hook points: a binder (entrypoints/binders.py) may wrap these, per instance, and
 `self` so that the wrapper is what runs: `HiRadixCache.allocate` (a copy's slots on this rank),
 `HiRadixCache.writing_check` (`--sync-impl writing_check`), `HiCacheController.write_job` (a host write's
 per-layer copies), `FileStorage.batch_get` (a storage read), `Scheduler.schedule` (one step's batch),
-`StageLoop.on_iteration` (callables run as each iteration begins) and `CacheSync._pp_sync` / `_attn_groups`
-(`--sync-impl`). The faults (lab/check/faults.py) and the `--sync-impl` slots (lab/teach/sync_impl.py) bind
-nothing else.
+`StageLoop.on_iteration` (callables run as each iteration begins), `StageLoop.send_hidden` / `recv_hidden` (what
+travels with the activations between stages), `CacheSync.agree_ack_counts` (the step's agreement),
+`CacheSync.agree_prefetch_progress` (the prefetch votes) and `CacheSync._pp_sync` / `_attn_groups` (the relay and
+the groups, `--sync-impl`). The faults (lab/check/faults.py), the `--sync-impl` slots (lab/teach/sync_impl.py) and
+a `--plugin` (lab/plugins.py) bind nothing else.
 """
 
 from __future__ import annotations

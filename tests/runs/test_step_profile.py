@@ -85,7 +85,7 @@ def test_every_rank_splits_its_steps_into_the_categories_at_pp_1_and_2(tmp_path,
             assert sum(ms.values()) <= report["ms_per_step"] * (1 + 1e-9)
             assert ms["model"] > 0 and ms["cache"] > 0 and ms["agreement"] > 0 and ms["scheduler"] > 0
             labels = report["labels"]
-            hidden = labels["loop._send_hidden"]["calls"] + labels["loop._recv_hidden"]["calls"]
+            hidden = labels["loop.send_hidden"]["calls"] + labels["loop.recv_hidden"]["calls"]
             assert (hidden > 0) == (pp > 1)  # hidden states cross stages only at pp 2
             assert report["steps"] > 0 and labels["cache.match_prefix"]["calls"] > 0
     rows = list(csv.DictReader((tmp_path / "step_profile.csv").read_text().splitlines()))

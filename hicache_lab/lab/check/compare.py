@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...config import RunConfig
 from ...entrypoints import launch
 from ...managers.step_trace import read_trace
+from .. import plugins
 from ..sglang import releases
 from ..sglang.reverts import NO_SGLANG_SITE
 
@@ -83,9 +84,10 @@ class StepDifference:
     quantity: str
     lab: object
     sglang: object
+    other: str = "SGLang"  # what the other side is called
 
     def __str__(self) -> str:
-        return f"{self.where}: {self.quantity}: lab {self.lab}, SGLang {self.sglang}"
+        return f"{self.where}: {self.quantity}: lab {self.lab}, {self.other} {self.sglang}"
 
 
 def with_impl(cfg: RunConfig, impl: str) -> RunConfig:
@@ -191,6 +193,7 @@ class Comparison:
     summaries: dict[str, dict]
     differences: list[StepDifference]
     kept: list[tuple[str, str]]  # the fidelity rows that explain the differences: (row, why)
+    named: list[StepDifference] = field(default_factory=list)  # what the lab side's plug-ins say they change
 
     @property
     def equal(self) -> bool:
@@ -225,12 +228,14 @@ def compare(
     cfg: RunConfig, out: Path, binders: tuple, lab_binders: tuple = (), verbose: bool = False, against: str = "sglang"
 ) -> Comparison:
     """Both runs of `cfg` (into OUT/lab and OUT/sglang), compared: the lab's cache against SGLang's (`against`:
-    `sglang`, 0.5.23, or a release `sglang==X`). `binders`: what both runs bind (the lab's: `lab.binders.LAB`,
-    which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate change: mutants.py)."""
-    sides = {"lab": "lab", "sglang": against}
+    `sglang`, 0.5.23, or a release `sglang==X`), or, `against="lab"`, the lab with its `--plugin`s against the lab
+    without them (the other side always runs without them). `binders`: what both runs bind (the lab's:
+    `lab.binders.LAB`, which serves `--cache-impl`); `lab_binders` bind into the lab's run only (a deliberate
+    change: mutants.py). What the plug-ins say they change (their `differences`) is set apart (`named`)."""
+    sides = {"lab": with_impl(cfg, "lab"), "sglang": with_impl(cfg, against).with_lab(plugins=())}
     summaries = {
-        side: launch.run_world(with_impl(cfg, impl), out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
-        for side, impl in sides.items()
+        side: launch.run_world(side_cfg, out / side, verbose, (*binders, *(lab_binders * (side == "lab"))))
+        for side, side_cfg in sides.items()
     }
     first = [parted(s["first_divergence"]) for s in summaries.values()]
     alike = first[0][0] if first[0] is not None and first[0] == first[1] else None
@@ -240,7 +245,12 @@ def compare(
     outputs = [summaries[impl]["outputs_match_reference"] for impl in ("lab", "sglang")]
     if outputs[0] != outputs[1]:
         differences.append(StepDifference("run", "outputs_match_reference", *outputs))
+    if against == "lab":
+        differences = [dataclasses.replace(d, other="without plug-ins") for d in differences]
+    said = plugins.differences(cfg)
+    named = [d for d in differences if d.quantity in said]
+    differences = [d for d in differences if d.quantity not in said]
     sound = not any(went_wrong(s) for s in summaries.values())
     judged = (sound or alike is not None) and differences  # a kept row explains only differences of sound runs
-    kept = [(row, why) for row, applies, why in KEPT if judged and applies(cfg, against)]
-    return Comparison(summaries, differences, kept)
+    kept = [(row, why) for row, applies, why in KEPT if judged and against != "lab" and applies(cfg, against)]
+    return Comparison(summaries, differences, kept, named)

@@ -112,9 +112,10 @@ def add_compare_flags(parser) -> None:
     parser.add_argument(
         "--against",
         default="sglang",
-        metavar="{sglang,sglang==X}",
+        metavar="{sglang,sglang==X,lab}",
         help="SGLang's side: sglang (0.5.23, default) or an installed release, which runs its own agreement "
-        "whatever --sync says (e.g. --sync legacy --against sglang==0.5.12: the lab's legacy beside that release)",
+        "whatever --sync says (e.g. --sync legacy --against sglang==0.5.12: the lab's legacy beside that release); "
+        "lab: the lab without the --plugins, beside the lab with them",
     )
     parser.add_argument(
         "--worlds",
@@ -128,6 +129,19 @@ def add_compare_flags(parser) -> None:
         help="a deliberate change to the lab's agreement, in the lab's run only: compare must catch it "
         "(lab/check/mutants.py)",
     )
+
+
+def checked_config(args):
+    """The configuration both runs start from, refused before either starts where it cannot be compared."""
+    cfg = config_from_args(args)
+    if cfg.lab.cache_impl != "lab":
+        raise ConfigError("compare runs both caches itself: drop --cache-impl")
+    if args.show < 0:
+        raise ConfigError(f"--show {args.show}: give how many differences to print, 0 or more")
+    if args.against == "lab" and not cfg.lab.plugins:
+        raise ConfigError("--against lab compares a plug-in with the lab's own protocol: add --plugin MODULE:OBJECT")
+    SGLANG_CACHE.check(with_impl(cfg, args.against))
+    return cfg
 
 
 def cmd_compare(args) -> int:
@@ -147,12 +161,7 @@ def cmd_compare(args) -> int:
         (Path(args.out) / "worlds.md").write_text(table + "\n")
         print(table)
         return 0 if all(r["verdict"].startswith("equal") or r["kept"] for r in rows) else 1
-    cfg = config_from_args(args)
-    if cfg.lab.cache_impl != "lab":
-        raise ConfigError("compare runs both caches itself: drop --cache-impl")
-    if args.show < 0:
-        raise ConfigError(f"--show {args.show}: give how many differences to print, 0 or more")
-    SGLANG_CACHE.check(with_impl(cfg, args.against))  # refused before either run starts
+    cfg = checked_config(args)
     mutants = (Mutant(args.mutant),) if args.mutant else ()
     for mutant in mutants:
         mutant.check(cfg)
@@ -160,12 +169,16 @@ def cmd_compare(args) -> int:
     if result.interrupted:
         print(f"interrupted by {result.interrupted}: nothing compared (the runs so far are in {args.out})")
         return 128 + signal.Signals[result.interrupted]
-    for impl, label in (("lab", "lab"), ("sglang", f"SGLang {releases.parse(args.against)}")):
+    other = "the lab without its plug-ins" if args.against == "lab" else f"SGLang {releases.parse(args.against)}"
+    for impl, label in (("lab", "lab"), ("sglang", other)):
         print(f"{label}: {result.wrong.get(impl, 'completed, never diverged; outputs match reference: True')}")
     print(format_rounds(result.summaries))
     steps = len(by_step(Path(args.out) / "lab"))
+    if named := result.named:
+        quantities = ", ".join(sorted({d.quantity for d in named}))
+        print(f"as the plug-ins say: {len(named)} differences in {quantities} (their `differences`), set apart")
     if result.equal and result.sound:
-        print(f"equal: {steps} rank-steps, every rank's ending, prefetches, rounds")
+        print(f"equal{' but for those' if named else ''}: {steps} rank-steps, every rank's ending, prefetches, rounds")
         return 0
     if first := result.diverged_alike:
         print(

@@ -27,10 +27,6 @@ Only one thread at a time uses a group: the rank waits while its helper runs.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
-import sys
 import threading
 import types
 from collections.abc import Callable
@@ -41,13 +37,12 @@ import torch
 
 from ...config import SYNC_IMPL_SLOTS, RunConfig
 from ...entrypoints.binders import Binder, RankParts
-from ...entrypoints.launch import rank_processes
 from ...errors import ConfigError, require, require_choice
+from ..plugins import IMPORT_TIMEOUT_S, answer_in_a_child, import_fresh
 from .audit_call import AuditFinding
 from .audit_patch import patch_torch_distributed
 from .sync_audit import Audit
 
-IMPORT_TIMEOUT_S = 60.0  # importing a --sync-impl module runs its top-level code: it must end within this
 USER_CALL_BOUND = 2  # a --sync-impl call must return within this many --collective-timeouts
 
 
@@ -88,25 +83,8 @@ def call_bounded(what: str, timeout_s: float, bound: str, fn: Callable, *args):
     raise SyncImplError(f"{what} raised {type(exc).__name__}{f': {exc}' if str(exc) else ''}") from exc
 
 
-def _fresh(module_name: str) -> types.ModuleType:
-    """The module as its file is now (in-process runs see a changed file); a path to a .py file is imported under
-    its file name."""
-    if module_name.endswith(".py"):
-        path = Path(module_name).resolve()
-        spec = importlib.util.spec_from_file_location(f"sync_impl_{path.stem}", path)
-        if spec is None or not path.is_file():
-            raise ModuleNotFoundError(f"no file {module_name}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    return importlib.reload(importlib.import_module(module_name))
-
-
 def resolve(specs: tuple[str, ...]) -> dict[str, tuple[str, Callable]]:
     """Import every `SLOT=MODULE:FUNCTION` (its grammar checked by `check_grammar`); {slot: (spec, function)}."""
-    if specs and os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # a module written next to the notebook or the shell
-    importlib.invalidate_caches()
     if specs:
         patch_torch_distributed()  # before the import: a name it takes from torch.distributed is the audited one
     impls = {}
@@ -153,46 +131,12 @@ def install(impls: dict[str, tuple[str, Callable]], sync, cache, out_dir: Path |
         setattr(owner, SLOT_TARGETS[slot][1], partial(call_bounded, f"--sync-impl {spec}", timeout_s, bound, method))
 
 
-def _import_and_answer(spec: str, answer) -> None:
-    """In a child process: import `spec` (`resolve`), send back None or the ConfigError's words, and leave at
-    once (threads its import started must not hold the child open)."""
-    try:
-        resolve((spec,))
-        answer.send(None)
-    except ConfigError as exc:
-        answer.send(str(exc))
-    finally:
-        answer.close()
-        os._exit(0)
+def _fresh(module_name: str) -> types.ModuleType:
+    return import_fresh(module_name, "sync_impl_")
 
 
-def check_in_a_child(spec: str) -> None:
-    """Import `spec` in a process of its own (the launcher's fork server forks it), never in this one: a module
-    whose top level exits the process, arms a timer, starts threads or holds the interpreter must not touch the
-    launcher or the check. ConfigError if it cannot be imported, ended its process or did not finish in time."""
-    ctx = rank_processes()
-    reader, writer = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_import_and_answer, args=(spec, writer), daemon=True)
-    child.start()
-    writer.close()
-    try:
-        if not reader.poll(IMPORT_TIMEOUT_S + 10):
-            raise ConfigError(f"--sync-impl {spec}: its import did not end within {IMPORT_TIMEOUT_S:g} s")
-        words = reader.recv()
-    except EOFError:
-        child.join(5)
-        raise ConfigError(
-            f"--sync-impl {spec}: importing it ended the process (exit code {child.exitcode}) before the import "
-            "returned: a module must not exit at its top level (os._exit, sys.exit in a thread); move that code "
-            "into a function"
-        ) from None
-    finally:
-        reader.close()
-        if child.is_alive():
-            child.kill()
-        child.join(5)
-    if words is not None:
-        raise ConfigError(words)
+def _resolve_one(spec: str) -> None:
+    resolve((spec,))
 
 
 class SyncImplBinder(Binder):
@@ -204,7 +148,7 @@ class SyncImplBinder(Binder):
     def check(self, cfg: RunConfig) -> None:
         check_grammar(cfg.lab.sync_impls)
         for spec in cfg.lab.sync_impls:  # one that cannot load fails here, before any rank starts
-            check_in_a_child(spec)
+            answer_in_a_child(f"--sync-impl {spec}", _resolve_one, spec)
 
     def runs_unbounded_code(self, cfg: RunConfig) -> bool:
         return bool(cfg.lab.sync_impls)
