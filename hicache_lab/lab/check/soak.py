@@ -24,7 +24,8 @@ did. A run is counted as
 * a **divergence** if ranks consumed different acks, ran different batches or hold different trees,
 * an **output mismatch** if a served request's logits or tokens differ from a from-scratch computation.
 
-`--hostile` runs the hostile-input cases instead, the slow ones too (a source checkout's tests/hostile/: soak_hostile).
+`--plugin MODULE:OBJECT` binds your plug-in (lab/plugins.py) into every run instead of a drawn `--sync-impl`, its rows
+in a CSV of their own. `--hostile` runs the hostile-input cases instead (a source checkout's tests/hostile/).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ from ...entrypoints.ending import Interrupted
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 from ...parallel_config import PROPOSALS, SYNC_MODES
+from ..plugins import answer_in_a_child, load_plugin
 from ..presets import BENCH_RESULTS, WORLD
 from .soak_hostile import add_hostile_flags, cmd_hostile
 from .soak_results import OUTCOMES, is_true, read_rows, write_table
@@ -84,7 +86,7 @@ class Case:
     fault: str  # "alloc-fail:R@N" or "damage-page:R@N" (file store only); "" for none
     pause: str  # "R@T+D": rank R is stopped T s after the start, for D s; "" for none
     depth: int  # --pp-async-batch-depth (0-2 at pp > 1): micro-batch slots beyond pp
-    plugin: str  # a --sync-impl: one of the lab's own functions loaded as a plug-in (PLUGINS); "" for none
+    plugin: str  # a --sync-impl of the lab's own functions (PLUGINS), or soak --plugin's "--plugin SPEC"; "" for none
     interrupt: str  # "T": SIGINT to the run's process group T s after its ranks started; "" for none
 
     @property
@@ -100,7 +102,8 @@ class Case:
             "--latency", self.latency, "--seed", str(self.seed), "--collective-timeout", "30",
         ]  # fmt: skip
         args += ["--pp-async-batch-depth", str(self.depth)] if self.depth else []
-        args += ["--sync-impl", self.plugin] if self.plugin else []
+        args += self.plugin.split(" ", 1) if self.plugin.startswith("--plugin ") else []  # soak --plugin's
+        args += ["--sync-impl", self.plugin] if self.plugin and not self.plugin.startswith("--") else []
         delay_flag = "--max-copy-delay-steps" if self.latency == "virtual" else "--injected-delay-ms"
         args += [delay_flag, str(self.delay)]
         args += ["--chunked-prefill-size", str(self.chunk), "--output-length", str(self.output_length)]
@@ -232,6 +235,7 @@ def add_soak_flags(parser: argparse.ArgumentParser) -> None:
         default="runs/soak",
         help=f"where the CSV and table go (default runs/soak; the committed ones: {BENCH_RESULTS})",
     )
+    parser.add_argument("--plugin", default="", metavar="MODULE:OBJECT", help="bind this plug-in into every run")
     add_hostile_flags(parser)  # --hostile, --table
 
 
@@ -249,6 +253,8 @@ def check_soak_args(args: argparse.Namespace) -> None:
             f"soak --limit-s {args.limit_s:g}: a run takes a few seconds to start its ranks alone, so a shorter "
             f"limit counts healthy runs as hangs; give at least {MIN_LIMIT_S}"
         )
+    if args.plugin:  # one that cannot be loaded is refused before any run, not counted as 200 crashes
+        answer_in_a_child(f"soak --plugin {args.plugin}", load_plugin, args.plugin)
     check_writable_dir(args.out, "soak --out")
     check_writable_dir(args.results, "soak --results")
 
@@ -260,12 +266,14 @@ def cmd_soak(args: argparse.Namespace) -> int:
     out_dir, results = Path(args.out), Path(args.results)
     out_dir.mkdir(parents=True, exist_ok=True)
     results.mkdir(parents=True, exist_ok=True)
-    csv_path = results / f"soak_seed{args.seed}_ranks{args.max_ranks}.csv"
+    plugin = f"_{Path(args.plugin.rpartition(':')[0]).stem}" if args.plugin else ""  # its own CSV
+    csv_path = results / f"soak_seed{args.seed}_ranks{args.max_ranks}{plugin}.csv"
     columns = [f.name for f in fields(Case)] + ["ranks", "mode", "elapsed_s", *OUTCOMES]
     columns += ["first_divergence", "fault_fired", "paused", "interrupted", "chunks", "retractions", "error"]
     rows = read_rows(csv_path, columns)
     have = {(int(r["case"]), r["mode"]) for r in rows}
     cases = [draw_case(args.seed, i, args.max_ranks) for i in range(args.first, args.first + args.runs)]
+    cases = [replace(c, plugin=f"--plugin {args.plugin}") for c in cases] if args.plugin else cases  # not drawn
     jobs = [(c, m) for m in args.modes for c in cases if (c.case, m) not in have]  # mode by mode
     print(f"{len(jobs)} runs to go ({len(cases) * len(args.modes) - len(jobs)} already in {csv_path})")
     with ThreadPoolExecutor(args.jobs) as pool, open(csv_path, "a", newline="") as f:
