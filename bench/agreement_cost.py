@@ -31,7 +31,7 @@ per stage. Three parts:
    throughput.
 
 Run (about 5 minutes on 2 cores with the defaults; every `python -m hicache_lab run` flag applies to part 1,
-except `--sync`, replaced by `--sync-modes`):
+except `--sync`, replaced by `--sync-modes`; `--plugin MODULE:OBJECT` adds a mode, `plugin`: `fixed` with it):
 
     python -m bench.agreement_cost
     python -m bench.agreement_cost --skip-step-time --pp-sizes 2 3 --blocks 3     # parts 2-3 only, ~40 s
@@ -88,7 +88,10 @@ CSV_FIELDS = ["part", "pp", "scenario", "variant", "rank", "repeat", "metric", "
 
 
 def _run_mode(base: RunConfig, sync: str) -> tuple[dict, list[dict]]:
-    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, sync=sync))
+    """One run of `sync` (a sync mode, without the plug-ins; or `plugin`: `fixed` with `--plugin`'s)."""
+    plugins = base.lab.plugins if sync == "plugin" else ()
+    cfg = dataclasses.replace(base, parallel=dataclasses.replace(base.parallel, sync="fixed" if plugins else sync))
+    cfg = cfg.with_lab(plugins=plugins)
     with tempfile.TemporaryDirectory() as scratch:
         summary = run(cfg, Path(scratch), verbose=False)
         rows = read_trace(Path(scratch))
@@ -215,11 +218,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def _step_time_part(args: argparse.Namespace, base: RunConfig, report: dict) -> list[dict]:
     """Part 1, measured and printed (its summary into `report`); its CSV rows."""
-    modes = list(dict.fromkeys(args.sync_modes))
+    modes = list(dict.fromkeys(args.sync_modes)) + ["plugin"] * bool(base.lab.plugins)  # --plugin: one more mode
     w, p, c = base.workload, base.parallel, base.cache
     workload = (
         f"{w.num_clients} clients x {w.num_rounds} rounds, request {w.request_length}, sub-question "
-        f"{w.sub_question_input_length}, output {w.output_length}, max running {w.max_running_requests}, "
+        f"{w.sub_question_input_length}, output {w.output_length}, max running {base.scheduler.max_running_requests}, "
         f"seed {w.seed}; model {base.model.num_layers} layers x {base.model.hidden_size}; "
         f"--pp {p.pp} --tp {p.tp} --cp {p.cp}, hierarchical cache {c.enable_hierarchical_cache}, "
         f"--latency {c.latency}"

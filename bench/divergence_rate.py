@@ -30,21 +30,24 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=10, help="seeds per (delay, sync mode)")
     parser.add_argument("--delays-ms", type=float, nargs="+", default=[0.0, 2.0], help="mean injected delays")
     parser.add_argument("--out", default=str(RESULTS / "divergence_rate.csv"), help="CSV of every run")
-    parser.add_argument("--modes", nargs="+", default=["legacy", "fixed"], help="sync modes to compare")
+    parser.add_argument(
+        "--modes", nargs="+", default=["legacy", "fixed"], help="sync modes to compare; with --plugin, also `plugin`"
+    )
     args = parser.parse_args()
     base = config_from_args(args)
+    modes = [*args.modes, *(["plugin"] * bool(base.lab.plugins))]  # `plugin`: fixed with --plugin's, the rest without
     gpus = torch.cuda.device_count() if base.device == "cuda" else 0
     machine = f"{gpus}x {torch.cuda.get_device_name()}" if gpus else f"CPU ({platform.machine()})"
     rows = []
     for delay in args.delays_ms:
-        for sync in args.modes:
+        for sync in modes:
             for seed in range(args.seeds):
                 cfg = dataclasses.replace(
                     base,
                     cache=dataclasses.replace(base.cache, latency="real", injected_delay_ms=delay),
                     workload=dataclasses.replace(base.workload, seed=seed),
-                    parallel=dataclasses.replace(base.parallel, sync=sync),
-                )
+                    parallel=dataclasses.replace(base.parallel, sync="fixed" if sync == "plugin" else sync),
+                ).with_lab(plugins=base.lab.plugins if sync == "plugin" else ())
                 s = run(cfg, verbose=False)
                 steps = [r["step_ms"] for r in s["rounds"]]
                 rows.append(
@@ -71,7 +74,7 @@ def main() -> None:
     write_csv(Path(args.out), rows)
     print("\ndelay_ms  sync     diverged  crashed  (of seeds)")
     for delay in args.delays_ms:
-        for sync in args.modes:
+        for sync in modes:
             group = [r for r in rows if r["delay_ms"] == delay and r["sync"] == sync]
             diverged = sum(r["diverged"] or r["crashed"] for r in group)
             print(f"{delay:8g}  {sync:7} {diverged:5}/{len(group)}  {sum(r['crashed'] for r in group):5}/{len(group)}")

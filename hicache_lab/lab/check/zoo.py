@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ...entrypoints.launch import run_world
 from ...errors import ConfigError
+from ..plugins import PLUGINS
 from ..sglang.binder import SGLANG_CACHE, refusals
 from ..sglang.releases import missing
 from .faults import FAULTS
@@ -61,9 +62,11 @@ def not_in_releases(entry: Entry) -> str | None:
     return "; ".join(why for v in entry.releases if (why := missing(v))) or None
 
 
-def reproduce(entry: Entry, out: Path, verbose: bool = False, cache_impl: str = "lab") -> tuple[EntryRun, EntryRun]:
+def reproduce(
+    entry: Entry, out: Path, verbose: bool = False, cache_impl: str = "lab", plugin: str = ""
+) -> tuple[EntryRun, EntryRun]:
     """The broken and the fixed run of an entry, on the lab's cache, SGLang 0.5.23's own, or SGLang's releases
-    (`impls`): (broken, fixed)."""
+    (`impls`): (broken, fixed); `plugin`: a `--plugin` the fixed run binds (does your protocol fix it too?)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -77,7 +80,10 @@ def reproduce(entry: Entry, out: Path, verbose: bool = False, cache_impl: str = 
         if entry.prepare is not None:  # a copy each, beside the run's directory (which holds only what it wrote)
             shutil.copytree(store, out / f"{name}_store")
             flags += f" --hicache-storage-dir {out / f'{name}_store'}"
-        summary = run_world(entry_config(f"{flags} --cache-impl {impl}"), out / name, verbose, (FAULTS, SGLANG_CACHE))
+        cfg = entry_config(f"{flags} --cache-impl {impl}").with_lab(
+            plugins=(plugin,) * (bool(plugin) and name == "fixed")
+        )
+        summary = run_world(cfg, out / name, verbose, (FAULTS, SGLANG_CACHE, PLUGINS))
         runs.append(EntryRun(summary, entry.symptom(summary, out / name), out / name))
     return runs[0], runs[1]
 
@@ -98,6 +104,7 @@ def add_zoo_flags(parser: argparse.ArgumentParser) -> None:
         "SGLang's objects (lab/sglang/reverts.py); releases: the broken run on the last SGLang release whose own "
         "code has the bug, the fixed one on the first with the fix (make releases); the list says which entries can",
     )
+    parser.add_argument("--plugin", default="", metavar="MODULE:OBJECT", help="the fixed run binds this plug-in too")
 
 
 def cmd_zoo(args: argparse.Namespace) -> int:
@@ -118,13 +125,14 @@ def cmd_zoo(args: argparse.Namespace) -> int:
     if why := cannot(entry):
         raise ConfigError(f"zoo {entry.name} --cache-impl {impl}: {why}")
     print(f"{entry.name}: {entry.failure}\nSGLang: {entry.sglang}")
-    broken, fixed = reproduce(entry, Path(args.out) / entry.name, cache_impl=impl)
+    broken, fixed = reproduce(entry, Path(args.out) / entry.name, cache_impl=impl, plugin=args.plugin)
     switched = impl != "releases"
     shown = [f" --cache-impl {i}" if impl != "lab" else "" for i in impls(entry, impl)]
     symptom = broken.symptom or "no symptom (unexpected)"
     print(f"\nbroken ({entry.command(True, switched)}{shown[0]}):\n  {symptom}")
     verdict = "completed, every rank agrees, outputs exact" if consistent(fixed) else diverged(fixed.summary, fixed.out)
-    print(f"fixed ({entry.command(False, switched)}{shown[1]}):\n  {verdict}")
+    yours = f" --plugin {args.plugin}" if args.plugin else ""
+    print(f"fixed ({entry.command(False, switched)}{shown[1]}{yours}):\n  {verdict}")
     for name in (f for f in entry.fixes if f in PROPOSALS):
         print(f"  its fix {name} is in no release of SGLang ({PROPOSALS[name]}): 0.5.23 fails here as the broken run")
     return 0 if broken.symptom and consistent(fixed) else 1
