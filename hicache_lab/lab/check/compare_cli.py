@@ -93,10 +93,10 @@ def format_worlds(rows: list[dict]) -> str:
 # -- the command -------------------------------------------------------------------------------------------
 
 
-def format_rounds(summaries: dict[str, dict]) -> str:
-    """Hit tokens per round and tier, the lab's beside SGLang's."""
+def format_rounds(summaries: dict[str, dict], other: str = "SGLang") -> str:
+    """Hit tokens per round and tier, the lab's beside the other side's (SGLang's)."""
     lines = [
-        f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {'SGLang: device':>14} "
+        f"{'round':>5} {'prompt':>7}   {'lab: device':>11} {'host':>6} {'storage':>7}   {other + ': device':>14} "
         f"{'host':>6} {'storage':>7}"
     ]
     for left, right in zip(summaries["lab"]["rounds"], summaries["sglang"]["rounds"], strict=False):
@@ -172,7 +172,7 @@ def cmd_compare(args) -> int:
     other = "the lab without its plug-ins" if args.against == "lab" else f"SGLang {releases.parse(args.against)}"
     for impl, label in (("lab", "lab"), ("sglang", other)):
         print(f"{label}: {result.wrong.get(impl, 'completed, never diverged; outputs match reference: True')}")
-    print(format_rounds(result.summaries))
+    print(format_rounds(result.summaries, "without" if args.against == "lab" else "SGLang"))
     steps = len(by_step(Path(args.out) / "lab"))
     if named := result.named:
         quantities = ", ".join(sorted({d.quantity for d in named}))
