@@ -12,9 +12,11 @@ name, from the working directory or `sys.path`, or the path of a `.py` file):
 * `differences` - the step-trace quantities it is expected to change against the lab's own protocol (e.g.
   `("relay_sent",)`): the checks that compare it with the lab name these and accept no others.
 
-Wherever run flags are taken (`run`, a torchrun rank, `compare`, `bench/divergence_rate.py`,
-`bench/agreement_cost.py`, the presets) `--plugin` is one of them. The launcher checks each plug-in before any rank
-starts, imported in a process of its own (`answer_in_a_child`): one that cannot be imported, is not a `Binder`,
+Wherever run flags are taken (`run`, a torchrun rank, `compare`, the presets) `--plugin` is one of them; `compare
+--against lab` runs the lab with it beside the lab without it, `soak --plugin` binds it into every drawn world,
+`zoo NAME --plugin` into the entry's fixed run, and `bench/divergence_rate.py` and `bench/agreement_cost.py` add a
+mode, `plugin` (`fixed` with it). The launcher checks each plug-in before any rank starts, imported in a process of
+its own (`answer_in_a_child`): one that cannot be imported, is not a `Binder`,
 exits its process at import or does not finish importing in time is a ConfigError; its own `check` runs there too.
 A rank that binds one runs in a process of its own, watched, even alone (`runs_unbounded_code`).
 """
