@@ -24,15 +24,18 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import pandas as pd
-from tqdm import tqdm
+from typing import TYPE_CHECKING
 
 from .config import RunConfig
 from .entrypoints.binders import Binder
 from .errors import ConfigError
 from .lab import binders, presets
 from .managers.step_trace import load_trace
+
+# pandas and tqdm are imported where they are used: a run's ranks import the calling script, and this module with
+# it, and each would spend a part of a second loading them
+if TYPE_CHECKING:
+    import pandas as pd
 
 SUMMARY = "summary.json"
 ENDING = ("completed", "crashed", "diverged", "outputs_match_reference", "error", "elapsed_s")  # load_runs' columns
@@ -49,6 +52,8 @@ class Run:
 
     @property
     def rounds(self) -> pd.DataFrame:
+        import pandas as pd
+
         return pd.DataFrame(self.summary["rounds"])
 
     @property
@@ -79,6 +84,8 @@ def sweep(
     flag, False leaves it out), with a progress bar; `load_runs` of every point. A point whose directory holds
     the summary of a run of the same configuration that no signal cut short is not run again: a sweep stopped
     part way resumes where it stopped. Every point's flags are checked before the first run."""
+    from tqdm import tqdm
+
     _require_main_guard("sweep")
     for flag, values in grid.items():
         if not str(flag).startswith("--") or isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
@@ -108,6 +115,8 @@ def load_runs(paths: str | Path | Iterable[str | Path]) -> pd.DataFrame:
     by dotted name (`cache.page_size`, `parallel.pp`, ...) and its provenance (`provenance.commit`, ...). `paths`:
     run directories, a glob of them, or a directory whose subdirectories are runs (a sweep's)."""
     runs = [run_dir for path in ([paths] if isinstance(paths, (str, Path)) else paths) for run_dir in _runs_in(path)]
+    import pandas as pd
+
     rows = []
     for run_dir in runs:
         summary = json.loads((run_dir / SUMMARY).read_text())
