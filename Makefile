@@ -46,9 +46,11 @@ test: $(STAMP) test-releases
 check: $(STAMP)
 	$(PY) -m pytest -q --durations=5 -m "not spawns and not notebook and not slow" tests
 
-# Re-execute every notebook in place (quick mode, outputs kept for reading unrun).
+# Re-execute every notebook in place (quick mode, outputs kept for reading unrun; a progress bar's updates
+# coalesced to its last line, as Jupyter shows it).
 notebooks: $(STAMP)
-	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=600 notebooks/*.ipynb
+	$(PY) -m jupyter nbconvert --to notebook --execute --inplace --coalesce-streams --ExecutePreprocessor.timeout=600 \
+		notebooks/*.ipynb
 
 # Render every notebook as committed (not re-executed) to runs/html/NN.html and, where Debian's chromium is
 # installed, screenshot each page (runs/html/NN.png): how a teacher checks the notebooks look right.

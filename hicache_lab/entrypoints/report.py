@@ -13,6 +13,7 @@ from ..args import sglang_flags
 from ..config import RunConfig
 from ..managers.schedule_batch import Req
 from ..managers.step_trace import StepRecord, first_divergence, read_trace
+from ..provenance import provenance
 from .outdir import write_file
 from .preflight import idle_flags
 
@@ -209,6 +210,7 @@ def summarize(cfg: RunConfig, out_dir: Path, elapsed_s: float, end: WorldEnd) ->
     oracle = _merge_oracles(results)
     summary = {
         "config": dataclasses.asdict(cfg),
+        "provenance": provenance(cfg),  # the command, commit, versions, host, date and seeds
         "sglang_flags": sglang_flags(cfg),
         "idle_flags": idle_flags(cfg),  # flags given that could do nothing here (preflight.IDLE_UNLESS)
         "run_id": end.run_id,

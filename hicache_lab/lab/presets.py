@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..args import add_run_flags, config_from_args
 from ..config import RunConfig
+from ..errors import ConfigError
 
 BENCH_RESULTS = Path("bench/results")  # the repository's results folder (bench/common.RESULTS), from its root
 WORKLOAD = (
@@ -49,9 +50,17 @@ class World:
     key: str = ""
 
 
+class _Refusing(argparse.ArgumentParser):
+    """A parser of `run` flags that raises, for a flag it cannot take, what a bad value raises: a ConfigError."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (`python -m hicache_lab run --help` lists the flags and their values)")
+
+
 def config(*flags: str) -> RunConfig:
-    """The `RunConfig` of these `run` flags (a later flag overrides an earlier one)."""
-    parser = argparse.ArgumentParser()
+    """The `RunConfig` of these `run` flags (a later flag overrides an earlier one); ConfigError for a flag or value
+    `run` would refuse."""
+    parser = _Refusing()
     add_run_flags(parser)
     return config_from_args(parser.parse_args(" ".join(flags).split()))
 

@@ -33,6 +33,7 @@ def test_run_writes_summary_and_requests(tmp_path):
     for key in ("config", "completed", "crashed", "error", "rounds", "outputs_match_reference", "elapsed_s"):
         assert key in summary
     assert summary["completed"] and not summary["crashed"] and summary["outputs_match_reference"] is True
+    assert summary["provenance"]["command"] == "python -m hicache_lab run " + " ".join(cmd[4:])  # as typed
     round_keys = {"round", "prompt_tokens", "cached_tokens", "cached_device", "cached_host", "cached_storage"}
     round_keys |= {"hit_rate", "upper_bound_hit_rate", "ttft_ms", "step_ms"}
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2]
