@@ -19,6 +19,6 @@ LAB: tuple[Binder, ...] = (SGLANG_CACHE, SYNC_IMPLS, FAULTS, RECORDING, PLUGINS)
 
 
 def run(cfg: RunConfig, out_dir: Path | None = None, verbose: bool = True, more: tuple[Binder, ...] = ()) -> dict:
-    """`launch.run_world` with the lab's binders (and `more` after them): the `run` of the notebooks, scripts and
-    lab tools."""
+    """`launch.run_world` with the lab's binders (and `more` after them): the `run` of the lab's tools, under
+    `hicache_lab.api.run`."""
     return launch.run_world(cfg, out_dir, verbose, binders=(*LAB, *more))
