@@ -57,9 +57,9 @@ class RelayInHeader(Binder):
 
         def send_hidden(hidden: torch.Tensor) -> None:
             header = torch.cat([torch.tensor(hidden.shape, dtype=torch.int64), state["counts"]])
-            loop._isend(header, loop.pp_rank + 1, loop.groups.pp_control)
+            loop.send_async(header, loop.pp_rank + 1, loop.groups.pp_control)
             if hidden.numel():
-                loop._isend(hidden.contiguous(), loop.pp_rank + 1, loop.groups.pp_compute)
+                loop.send_async(hidden.contiguous(), loop.pp_rank + 1, loop.groups.pp_compute)
 
         def recv_hidden() -> torch.Tensor:
             model = loop.model

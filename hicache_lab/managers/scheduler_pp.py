@@ -90,13 +90,14 @@ class StageLoop:
 
     # -- point to point ----------------------------------------------------------------------------
 
-    def _isend(self, tensor: torch.Tensor, dst: int, group) -> None:
+    def send_async(self, tensor: torch.Tensor, dst: int, group) -> None:
+        """Send `tensor` to `dst` without waiting; the send is kept until `drain_sends` waits for it."""
         self.sends.append((self.iteration, *isend(tensor, dst, group)))
 
     def _send_sized(self, tensor: torch.Tensor, dst: int) -> None:
-        self._isend(torch.tensor([tensor.numel()], dtype=torch.int64), dst, self.groups.pp_control)
+        self.send_async(torch.tensor([tensor.numel()], dtype=torch.int64), dst, self.groups.pp_control)
         if tensor.numel():
-            self._isend(tensor, dst, self.groups.pp_control)
+            self.send_async(tensor, dst, self.groups.pp_control)
 
     def _recv_sized(self, src: int) -> torch.Tensor:
         size = torch.zeros(1, dtype=torch.int64)
@@ -194,9 +195,9 @@ class StageLoop:
     def send_hidden(self, hidden: torch.Tensor) -> None:
         """A hook point (mem_cache/base.py): what travels to the next stage with its activations, a stage before the
         last, once per micro-batch: here a [rows, cols] header on `pp_control`, then the activations."""
-        self._isend(torch.tensor(hidden.shape, dtype=torch.int64), self.pp_rank + 1, self.groups.pp_control)
+        self.send_async(torch.tensor(hidden.shape, dtype=torch.int64), self.pp_rank + 1, self.groups.pp_control)
         if hidden.numel():
-            self._isend(hidden.contiguous(), self.pp_rank + 1, self.groups.pp_compute)
+            self.send_async(hidden.contiguous(), self.pp_rank + 1, self.groups.pp_compute)
 
     def recv_hidden(self) -> torch.Tensor:
         """A hook point: what a stage after the first receives with its activations (`send_hidden`'s pair), before
