@@ -93,15 +93,15 @@ def parse_conversation(index: int, record: object, path: str) -> Conversation:
     """Record `index` of a conversation file; a ConfigError naming the file, the record and the field."""
     record = record if isinstance(record, dict) else {}
     where = f"--conversation-file {path} [{index}]" + (f" (id {record['id']!r})" if "id" in record else "")
-    turns, system, shape = record.get("conversations"), record.get("system", ""), TURN
+    turns, system = record.get("conversations"), record.get("system", "")
     require(
         isinstance(turns, list) and bool(turns) and isinstance(system, str),
-        f"{where}: needs a non-empty 'conversations' list of {shape} turns (and 'system' a string)",
+        f"{where}: needs a non-empty 'conversations' list of {TURN} turns (and 'system' a string)",
     )
     texts, due = [], "human"
     for j, turn in enumerate(turns):
         value, speaker = (turn.get("value"), turn.get("from")) if isinstance(turn, dict) else (None, None)
-        require(isinstance(value, str), f"{where}, turn {j}: needs a 'value' string, as in {shape}")
+        require(isinstance(value, str), f"{where}, turn {j}: needs a 'value' string, as in {TURN}")
         if j == 0 and speaker == "system" and not system:
             system = value
             continue
