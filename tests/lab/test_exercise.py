@@ -41,6 +41,8 @@ WRONG = [
     ("pp_sync", "irecv_without_wait", PP2, "recv_not_waited", "irecv"),
     ("pp_sync", "receives_into_a_new_tensor", PP2, "recv_elsewhere", "into another tensor"),
     ("pp_sync", "upstream", PP2, "backwards", "StallError: no batch for"),
+    ("pp_sync", "handshake", PP2, "backwards", "with yours, "),
+    ("pp_sync", "forwards_before_receiving", PP3, "forwarded_before_receive", "stage 1 sent [0, 0] to stage 2"),
     ("pp_sync", "middle_stage_keeps_it", PP3, None, "a message no stage sent"),
     ("writing_check", "only_finished_here", PP2, "wrong_ack_count", "where every rank agreed on"),
     ("writing_check", "no_wait", PP2, "copy_not_waited", "the oracle found"),
@@ -81,6 +83,8 @@ def test_a_wrong_answer_is_rejected_with_its_cause(tmp_path, slot, name, world, 
     assert words in str(verdict), str(verdict)
     if kind is not None:
         assert_two_levels(verdict, kind)
+    if name == "handshake":  # a receive from a later stage is judged as one, not as a relay's receive elsewhere
+        assert "into another tensor" not in str(verdict) and "against the lab's one-way relay" in str(verdict)
     if kind == "blocking_send":  # gloo's send runs through isend: not the student's, so no clone to advise
         assert "dist.isend(data" not in str(verdict) and "clone" not in str(verdict), str(verdict)
         assert "against the lab's one-way relay" in str(verdict), "the run goes on, and is measured"
@@ -175,6 +179,7 @@ def test_other_right_answers_pass_from_a_script_without_a_main_guard(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.rstrip().endswith("PASSED"), result.stdout[-3000:]
     assert re.findall(r"^(.*): ok$", result.stdout, re.M) == [world.name for world in (PP3, CP2)]
+    assert "sent 2 messages in one call (to stages [1, 2]), where in the chain" in result.stdout, "the star's note"
 
 
 @pytest.mark.spawns

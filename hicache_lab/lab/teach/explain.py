@@ -101,6 +101,35 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     )
 
 
+SENDS = ("send", "isend", "send_object_list")
+
+
+def relay_sends(lines: list[dict]) -> dict[int, list[int]]:
+    """Per stage, from the audit of a run: the stages its pp_sync sent to, in the call that sent to the most."""
+    widest: dict[int, list[int]] = {}
+    for line in lines:
+        if line["slot"] == "pp_sync":
+            peers = [op["peer_stage"] for op in line["ops"] if op["op"] in SENDS and op.get("peer_stage") is not None]
+            if len(peers) > len(widest.get(line["stage"], [])):
+                widest[line["stage"]] = peers
+    return dict(sorted(widest.items()))
+
+
+def chain_note(lines: list[dict]) -> str | None:
+    """A note for a right relay that is not the chain the glossary describes (a stage sending to more than one
+    later stage in a call: stage 0 to every other, a star); None for the chain."""
+    wide = {stage: peers for stage, peers in relay_sends(lines).items() if len(peers) > 1}
+    if not wide:
+        return None
+    stage, peers = next(iter(wide.items()))
+    return (
+        f"  note: yours is one-way and right, but not the chain of the glossary's relay: stage {stage} sent "
+        f"{len(peers)} messages in one call (to stages {sorted(peers)}), where in the chain every stage sends one, "
+        "to the next stage, which passes it on; with pp stages yours has stage 0 send pp - 1 messages a step, the "
+        "chain one (the design question of notebook 06 measures both)"
+    )
+
+
 def unjudged_words(summary: dict) -> str | None:
     """Why a run without a finding gives no evidence for a verdict, in words: it was interrupted, or ended
     without completing and without a divergence or a crash to show, or its outputs were never checked; None
