@@ -1,9 +1,12 @@
 """Wrong answers to exercise 1 (`pp_sync`), each one a mistake students make. `python -m hicache_lab exercise
 --pp-sync teaching/mistakes/pp_sync.py:NAME` shows what the check says of each (tests/lab/test_exercise.py pins
-the cause it names)."""
+the cause it names). One variant passes, with a note: `star`, notebook 06's design question's, which is not
+the glossary's chain."""
 
 import torch
 import torch.distributed as dist
+
+from hicache_lab.lab.teach.questions import star  # noqa: F401 (a variant that passes with a note: no chain)
 
 
 def two_stages_only(self, data):

@@ -52,8 +52,8 @@ def forwarded_rule(stage: int, call: Call, data) -> None:
         if op.get("peer_stage") is None or op["peer_stage"] <= stage:
             continue
         same = tensor.shape == data.shape and torch.equal(tensor.to(data.device), data)
-        if same and not pending:
-            continue
+        if same and (not pending or not data.any()):
+            continue  # forwarded what it received, or zeros that stage 0 sent too: nothing to show yet
         unwaited = " (its irecv not yet waited for)" if pending else ""
         same_values = " (the same values, this time)" if same else ""
         what = (

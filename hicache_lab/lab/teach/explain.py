@@ -81,9 +81,10 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     (yours, your_lead), (relay, relay_lead) = pp_sync_timing(out_dir), pp_sync_timing(relay_dir)
     lead = ""
     if your_lead is not None and relay_lead is not None:
+        after = f"{-your_lead:.2f} ms after it (it waits for the last stage)"
         lead = (
             f"with the relay stage 0 finishes a call {relay_lead:.2f} ms (median) before the last stage finishes the "
-            f"same call: it runs ahead; with yours, {your_lead:.2f} ms; "
+            f"same call: it runs ahead; with yours, {f'{your_lead:.2f} ms' if your_lead >= 0 else after}; "
         )
     waits = ", ".join(f"stage {s} {yours[s]:.2f} ms against {relay[s]:.2f} ms" for s in relay if s in yours)
     steps_yours, steps_relay = stage_medians(out_dir), stage_medians(relay_dir)
