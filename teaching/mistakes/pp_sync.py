@@ -1,9 +1,12 @@
 """Wrong answers to exercise 1 (`pp_sync`), each one a mistake students make. `python -m hicache_lab exercise
 --pp-sync teaching/mistakes/pp_sync.py:NAME` shows what the check says of each (tests/lab/test_exercise.py pins
-the cause it names)."""
+the cause it names). One variant passes, with a note: `star`, notebook 06's design question's, which is not
+the glossary's chain."""
 
 import torch
 import torch.distributed as dist
+
+from hicache_lab.lab.teach.questions import star  # noqa: F401 (a variant that passes with a note: no chain)
 
 
 def two_stages_only(self, data):
@@ -107,3 +110,28 @@ def middle_stage_keeps_it(self, data):
         dist.recv(data, group_src=self.pp_rank - 1, group=group, tag=2)
     if self.pp_rank == 0 and self.pp_size > 1:
         self.work_list.append(dist.isend(data.clone(), group_dst=1, group=group, tag=2))
+
+
+def forwards_before_receiving(self, data):
+    """An "overlapped" relay: receive with irecv, forward a copy at once, wait for the receive after: right for two
+    stages, but stage 1 forwards the zeros it was given."""
+    group = self.groups.pp_cache_group
+    receive = dist.irecv(data, group_src=self.pp_rank - 1, group=group, tag=2) if self.pp_rank > 0 else None
+    if self.pp_rank + 1 < self.pp_size:
+        self.work_list.append(dist.isend(data.clone(), group_dst=self.pp_rank + 1, group=group, tag=2))
+    if receive is not None:
+        receive.wait()
+
+
+def handshake(self, data):
+    """The relay, then a confirmation back, "so that stage 0 knows every stage has the counts": the last stage
+    sends one to stage 0, which waits for it."""
+    group, last = self.groups.pp_cache_group, self.pp_size - 1
+    if self.pp_rank > 0:
+        dist.recv(data, group_src=self.pp_rank - 1, group=group, tag=2)
+    if self.pp_rank < last:
+        self.work_list.append(dist.isend(data.clone(), group_dst=self.pp_rank + 1, group=group, tag=2))
+    if self.pp_rank == last and last > 0:
+        self.work_list.append(dist.isend(torch.ones(1, dtype=torch.int64), group_dst=0, group=group, tag=3))
+    elif self.pp_rank == 0 and last > 0:
+        dist.recv(torch.empty(1, dtype=torch.int64), group_src=last, group=group, tag=3)

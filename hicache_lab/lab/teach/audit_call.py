@@ -59,6 +59,7 @@ class Call:
         self.ops: list[dict] = []
         self.works: list[AuditedWork] = []
         self.received: list[tuple[dict, torch.Tensor]] = []  # (receive, the tensor it received into)
+        self.sent: list[tuple[dict, torch.Tensor, bool]] = []  # (send, its tensor, made while an irecv was unwaited)
         self.receives = 0  # receives of any kind, object lists included
         self.findings: list[dict] = []
         self.facts: dict = {}  # what the slot's rules looked at, for the log line
@@ -127,6 +128,9 @@ class Call:
         op.update(peer=peer, peer_stage=None if peer is None else self.audit.stage(peer), value=value)
         verb = f"dist.{name}(..., {space}={value}, group={op['group']})" if value is not None else f"dist.{name}"
         self._check_peer(verb, receive, value, space == in_group, peer, ranks)
+        if name in ("send", "isend") and isinstance(params.get("tensor"), torch.Tensor):
+            pending = any(w.op["op"] == "irecv" and not w.waited for w in self.works)
+            self.sent.append((op, params["tensor"], pending))
         if name == "isend" and same_storage(params.get("tensor"), self.data):
             self.find(
                 "send_aliases_data",

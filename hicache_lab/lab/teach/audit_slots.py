@@ -27,15 +27,40 @@ def pp_sync_rules(audit, call: Call, sync, data, earlier: list) -> None:
             call.find("blocking_send", f"stage {stage} waited for its own isend before returning")
         elif work.op["op"] == "irecv" and not work.waited:
             call.find("recv_not_waited", f"stage {stage} returned without waiting for its irecv")
-    for _, tensor in call.received:
+    for op, tensor in call.received:
+        if op.get("peer_stage", -1) > stage:
+            continue  # a receive from a later stage is no relay's (`backwards`), whatever it receives into
         if not same_storage(tensor, data) and not torch.equal(tensor.to(data.device), data):
             call.find(
                 "recv_elsewhere",
                 f"stage {stage} received {tensor.tolist()} into another tensor, and `data` still holds {data.tolist()}",
             )
+    forwarded_rule(stage, call, data)
     crossed = any(len(op["stages"]) > 1 for op in call.ops)
     if 0 < stage < sync.relay_stages and not call.receives and not crossed:
         call.find("no_receive", f"stage {stage} made no receive in pp_sync", data=data.tolist())
+
+
+def forwarded_rule(stage: int, call: Call, data) -> None:
+    """A stage that received into `data` forwards what it received: each send to a later stage is made once the
+    receive has completed (no irecv still unwaited), and carries the values `data` ends the call holding."""
+    into_data = [op for op, tensor in call.received if same_storage(tensor, data)]
+    if not into_data:
+        return
+    source = into_data[0].get("peer_stage")
+    for op, tensor, pending in call.sent:
+        if op.get("peer_stage") is None or op["peer_stage"] <= stage:
+            continue
+        same = tensor.shape == data.shape and torch.equal(tensor.to(data.device), data)
+        if same and (not pending or not data.any()):
+            continue  # forwarded what it received, or zeros that stage 0 sent too: nothing to show yet
+        unwaited = " (its irecv not yet waited for)" if pending else ""
+        same_values = " (the same values, this time)" if same else ""
+        what = (
+            f"stage {stage} sent {tensor.tolist()} to stage {op['peer_stage']} before its own receive from stage "
+            f"{source} had completed{unwaited}, and ended the call holding {data.tolist()}{same_values}"
+        )
+        call.find("forwarded_before_receive", what)
 
 
 def attn_groups_rules(audit, call: Call, value) -> list:

@@ -37,6 +37,7 @@ from ..check.faults import FAULTS
 from ..presets import WORLD, World, config
 from .explain import (
     audit_lines,
+    chain_note,
     crash_kind,
     explain_run,
     finding_words,
@@ -64,7 +65,7 @@ WORLDS = (
     ),
     World("PP=2 with L3 (file store, a flush between rounds)", f"--pp 2 {STORAGE} --flush-cache-between-rounds"),
 )
-LOCKSTEP = ("symmetric_across_stages", "blocking_send")  # measured against the relay, not refused on sight
+LOCKSTEP = ("symmetric_across_stages", "blocking_send", "backwards")  # measured against the relay, where the run ends
 _running = False  # a check in progress in this process: a call while it imports your file returns at once
 _relay_runs: dict[tuple, tuple[Path, dict]] = {}  # (world, device, quick) -> the relay's run (lockstep_cost)
 
@@ -213,4 +214,6 @@ def judge_world(verdict: Verdict, world: World, out: Path, summary: dict, device
         why += f" (then the world was interrupted by {summary['interrupted']})"
         verdict.interrupted = summary["interrupted"]
     verdict.lines.append(f"{world.name}: {'ok' if verdict.ok else 'WRONG ' + why}")
+    if verdict.ok and (note := chain_note(lines)) is not None and note not in verdict.lines:
+        verdict.lines.append(note)
     verdict.lines += left_running(summary)

@@ -81,9 +81,10 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     (yours, your_lead), (relay, relay_lead) = pp_sync_timing(out_dir), pp_sync_timing(relay_dir)
     lead = ""
     if your_lead is not None and relay_lead is not None:
+        after = f"{-your_lead:.2f} ms after it (it waits for the last stage)"
         lead = (
             f"with the relay stage 0 finishes a call {relay_lead:.2f} ms (median) before the last stage finishes the "
-            f"same call: it runs ahead; with yours, {your_lead:.2f} ms; "
+            f"same call: it runs ahead; with yours, {f'{your_lead:.2f} ms' if your_lead >= 0 else after}; "
         )
     waits = ", ".join(f"stage {s} {yours[s]:.2f} ms against {relay[s]:.2f} ms" for s in relay if s in yours)
     steps_yours, steps_relay = stage_medians(out_dir), stage_medians(relay_dir)
@@ -98,6 +99,35 @@ def lockstep_words(out_dir: Path, summary: dict, relay_dir: Path, reference: dic
     return (
         f"measured on this world against the lab's one-way relay: {lead}a median call took {waits}; a median "
         f"step took {steps}{done}"
+    )
+
+
+SENDS = ("send", "isend", "send_object_list")
+
+
+def relay_sends(lines: list[dict]) -> dict[int, list[int]]:
+    """Per stage, from the audit of a run: the stages its pp_sync sent to, in the call that sent to the most."""
+    widest: dict[int, list[int]] = {}
+    for line in lines:
+        if line["slot"] == "pp_sync":
+            peers = [op["peer_stage"] for op in line["ops"] if op["op"] in SENDS and op.get("peer_stage") is not None]
+            if len(peers) > len(widest.get(line["stage"], [])):
+                widest[line["stage"]] = peers
+    return dict(sorted(widest.items()))
+
+
+def chain_note(lines: list[dict]) -> str | None:
+    """A note for a right relay that is not the chain the glossary describes (a stage sending to more than one
+    later stage in a call: stage 0 to every other, a star); None for the chain."""
+    wide = {stage: peers for stage, peers in relay_sends(lines).items() if len(peers) > 1}
+    if not wide:
+        return None
+    stage, peers = next(iter(wide.items()))
+    return (
+        f"  note: yours is one-way and right, but not the chain of the glossary's relay: stage {stage} sent "
+        f"{len(peers)} messages in one call (to stages {sorted(peers)}), where in the chain every stage sends one, "
+        "to the next stage, which passes it on; with pp stages yours has stage 0 send pp - 1 messages a step, the "
+        "chain one (the design question of notebook 06 measures both)"
     )
 
 

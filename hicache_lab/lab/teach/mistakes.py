@@ -55,6 +55,13 @@ MISTAKES = {
         "changes nothing the caller sees",
         "receive into `data` (or copy into it with data.copy_(...))",
     ),
+    "forwarded_before_receive": Mistake(
+        True,
+        "a stage passes on the values it holds when it sends: a copy taken before this stage's own receive has "
+        "completed carries the zeros it was given, not stage 0's counts, and every stage after it consumes "
+        "different acks from stage 0",
+        "a stage forwards stage 0's values: send on only what has arrived, once its own receive has completed",
+    ),
     "no_receive": Mistake(
         False,
         "every stage after the first must end the call holding PP rank 0's values: a stage that receives nothing "
@@ -63,9 +70,11 @@ MISTAKES = {
     ),
     "backwards": Mistake(
         False,
-        "the counts flow one way, from stage 0 down the pipeline: a stage that waits for a later stage waits for "
-        "a message that stage only sends after it has itself received (or never)",
-        "receive from stage self.pp_rank - 1, send to stage self.pp_rank + 1",
+        "the counts flow one way, from stage 0 down the pipeline: a stage that waits for a later stage cannot "
+        "return before that stage has reached the same call, so it can no longer run ahead of it (the stages move "
+        "in lockstep), and where the later stage waits for it in turn, neither returns",
+        "nothing flows back up the pipeline: a stage receives only from the stage before it, and sends only to "
+        "the stage after it",
     ),
     "wrong_rank_space": Mistake(
         True,
@@ -77,7 +86,8 @@ MISTAKES = {
         True,
         "every rank must consume exactly the agreed `count` acks: fewer leaves this rank's nodes locked longer than "
         "the others', more unlocks nodes the others keep; either way the trees, then the batches, differ",
-        "pop `count` acks, whatever this rank's own copies say",
+        "consume exactly the agreed `count` acks, even where this rank's own copy of one has not finished yet: "
+        "such an ack is consumed once that copy has finished here",
     ),
     "acks_out_of_order": Mistake(
         True,
