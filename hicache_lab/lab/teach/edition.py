@@ -1,10 +1,11 @@
 """`python -m hicache_lab student-edition DIR`: the repository as a student gets it for a graded session, without
 `teaching/` (the exercise's answers, the catalogue of wrong ones, the homework's answers).
 
-Everything else is as committed: no document on the student path holds an answer (tests/lab/test_student_path.py
-checks it), and the tests that need `teaching/` skip in the edition, saying why. What a student edition cannot
-hide is the package's own source, which holds the lab's answers (`CLOSED`): docs/lab_session.md asks students to
-keep it closed until their three functions pass.
+Everything else is as committed, but for the documents that hold an exercise's recipe, shipped as closed.py's
+`EDITS` rewrite them: no file of the edition states an exercise's algorithm, or lets a student's function call one
+that does its work (tests/lab/test_student_path.py checks every file), and the tests that need `teaching/` skip
+in the edition, saying why. What a student edition cannot hide are the files the lab runs that hold its answers
+(`CLOSED`): ask students to keep them closed until their three functions pass.
 """
 
 from __future__ import annotations
@@ -22,13 +23,8 @@ from pathlib import Path
 from ...entrypoints.outdir import OutputError
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
+from .closed import CLOSED, LEFT_OUT, ROOT, for_students
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository this package was installed from
-LEFT_OUT = "teaching"
-CLOSED = (  # where the lab's own answers to notebook 06 are, in the package's source
-    "hicache_lab/distributed/cache_sync.py (CacheSync._pp_sync, CacheSync._attn_groups)",
-    "hicache_lab/mem_cache/hiradix_cache.py (HiRadixCache.writing_check)",
-)
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a disk that filled (or a limit reached) as the edition was written
 
 
@@ -94,7 +90,13 @@ def make_edition(out: Path) -> list[str]:
             # before 3.11.4 has no extraction filter)
             for member in tar:
                 tar.extract(member, out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-            return [m.name for m in tar.getmembers() if m.isfile()]
+            files = [m.name for m in tar.getmembers() if m.isfile()]
+        member = None  # written whole: an error from here on is not the archive's
+        for_students(out)
+        return files
+    except ConfigError:
+        _remove(out, made)
+        raise
     except OSError as exc:
         _remove(out, made)
         where = f" at {member.name}" if member is not None else ""
@@ -129,5 +131,6 @@ def cmd_edition(args: argparse.Namespace) -> int:
     print(f"{args.out}: {len(files)} files of HEAD, without {LEFT_OUT}/")
     if changed:
         print("(uncommitted changes are not in it: commit them and cut it again)")
-    print("Ask students to keep closed until their functions pass:", *CLOSED, sep="\n  ")
+    closed = (f"{path}: {what}" for path, what in CLOSED.items())
+    print("Ask students to keep closed until their functions pass:", *closed, sep="\n  ")
     return 0

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ...config import SYNC_IMPL_SLOTS
-from .edition import LEFT_OUT, ROOT
+from .closed import LEFT_OUT, student_edition
 from .exercise import check
 from .mistakes import MISTAKES
 
@@ -67,15 +67,14 @@ def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hint", action="store_true", help="add what to change to a verdict that names a kind of mistake"
     )
+    teachers = "" if student_edition() else " (with --hint: the teachers' table, with the fixes)"
     parser.add_argument(
-        "--table",
-        action="store_true",
-        help="print the table of mistakes the check recognises (with --hint: the teachers' table, with the fixes)",
+        "--table", action="store_true", help=f"print the table of mistakes the check recognises{teachers}"
     )
 
 
 def cmd_exercise(args: argparse.Namespace) -> int:
-    if args.table and args.hint and not (ROOT / LEFT_OUT).is_dir():
+    if args.table and args.hint and student_edition():
         print(
             f"--table --hint is the teachers' table, with every fix; this checkout has no {LEFT_OUT}/ (a student "
             "edition): --table alone gives the students' table, and --hint on a verdict the fix for that mistake",
