@@ -1,12 +1,9 @@
-"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it for a graded session, without
-`teaching/` (the exercise's answers, the catalogue of wrong ones, the homework's answers).
-
-Everything else is as committed, but for the documents that hold an exercise's recipe, shipped as closed.py's
-`EDITS` rewrite them: no file of the edition states an exercise's algorithm, or lets a student's function call one
-that does its work (tests/lab/test_student_path.py checks every file), and the tests that need `teaching/` skip
-in the edition, saying why. What a student edition cannot hide are the files the lab runs that hold its answers
-(`CLOSED`): ask students to keep them closed until their three functions pass.
-"""
+"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it, no recipe before its exercise
+(tests/lab/test_no_recipe.py): without `teaching/` (the answers, the wrong ones, the homework's answers; tests
+that need it skip); the documents that hold the protocol in full with each exercise's recipe replaced by what the
+function must achieve (`student_text`, from teaching/student_edition.json, as the texts it replaces are recipes);
+the files the lab runs that hold an answer listed (`CLOSED`), to keep closed until a student's functions pass. A
+checkout without `teaching/` is a student edition (`student_edition`): no fix there but the one of a verdict."""
 
 from __future__ import annotations
 
@@ -14,6 +11,7 @@ import argparse
 import contextlib
 import errno
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -23,8 +21,18 @@ from pathlib import Path
 from ...entrypoints.outdir import OutputError
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
-from .closed import CLOSED, LEFT_OUT, ROOT, for_students
 
+ROOT = Path(__file__).resolve().parents[3]  # the repository this package was installed from
+LEFT_OUT = "teaching"
+EDITS = f"{LEFT_OUT}/student_edition.json"
+CLOSED = {  # path (a folder ends in /) -> what it holds that a student must not see before the exercises pass
+    "hicache_lab/distributed/cache_sync.py": "the lab's relay and groups (CacheSync._pp_sync, CacheSync._attn_groups)",
+    "hicache_lab/mem_cache/hiradix_cache.py": "the lab's consumption of acks (HiRadixCache.writing_check)",
+    "hicache_lab/lab/teach/mistakes.py": "every kind of mistake's hint (`--hint` shows one, for the verdict you got)",
+    "hicache_lab/lab/sglang/": "SGLang's own lines, which the lab patches at runtime",
+    "bench/": "the relay, timed against a barrier and an all-reduce",
+    "tests/": "the tests, which run right answers of their own",
+}
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a disk that filled (or a limit reached) as the edition was written
 
 
@@ -92,7 +100,8 @@ def make_edition(out: Path) -> list[str]:
                 tar.extract(member, out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
             files = [m.name for m in tar.getmembers() if m.isfile()]
         member = None  # written whole: an error from here on is not the archive's
-        for_students(out)
+        for path in edits():  # the documents as students get them
+            (out / path).write_text(student_text(path, (out / path).read_text()))
         return files
     except ConfigError:
         _remove(out, made)
@@ -119,6 +128,27 @@ def _remove(out: Path, made: Path | None) -> None:
         else:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def student_edition(root: Path = ROOT) -> bool:
+    return not (root / LEFT_OUT).is_dir()
+
+
+def edits(root: Path = ROOT) -> dict[str, list[dict[str, str]]]:
+    """{path: [{"teachers": text, "students": text}, ...]}; none in a student edition, whose files are the students'."""
+    return {} if student_edition(root) else json.loads((root / EDITS).read_text())["edits"]
+
+
+def student_text(path: str, text: str, root: Path = ROOT) -> str:
+    """`text`, the teachers' `path`, as students get it; a ConfigError where a text to replace is not there once."""
+    for edit in edits(root).get(path, ()):
+        if (found := text.count(edit["teachers"])) != 1:
+            raise ConfigError(
+                f"{path} holds {found} times, not once, a text the student edition replaces "
+                f"({edit['teachers'][:50]!r}...): update {EDITS} with the document"
+            )
+        text = text.replace(edit["teachers"], edit["students"])
+    return text
 
 
 def add_edition_flags(parser: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ...config import SYNC_IMPL_SLOTS
-from .closed import LEFT_OUT, student_edition
+from .edition import LEFT_OUT, student_edition
 from .exercise import check
 from .mistakes import MISTAKES
 
@@ -41,12 +41,12 @@ def mistakes_table(hint: bool = False) -> str:
     """The markdown table of every kind of mistake the audit recognises: its name in a verdict, whether it stops
     the run, and the check's words for why it is wrong (docs/notebooks.md, for students). `hint`: with a wrong
     answer of teaching/mistakes/ that shows it and the fix (teaching/README.md, for teachers)."""
-    if not hint:
-        rows = ["| `WRONG (kind)` | stops the run | why it is wrong (the check's words) |", "|---|---|---|"]
-        rows += [f"| `{kind}` | {stops(m)} | {m.why} |" for kind, m in MISTAKES.items()]
-        return "\n".join(rows)
-    rows = ["| `WRONG (kind)` | stops the run | shown by `teaching/mistakes/` | the hint |", "|---|---|---|---|"]
-    rows += [f"| `{kind}` | {stops(m)} | `{EXAMPLES[kind]}` | {m.fix} |" for kind, m in MISTAKES.items()]
+    head = "shown by `teaching/mistakes/` | the hint" if hint else "why it is wrong (the check's words)"
+    rows = [f"| `WRONG (kind)` | stops the run | {head} |", "|---|---|---|" + "---|" * hint]
+    rows += [
+        f"| `{kind}` | {stops(m)} | " + (f"`{EXAMPLES[kind]}` | {m.fix} |" if hint else f"{m.why} |")
+        for kind, m in MISTAKES.items()
+    ]
     return "\n".join(rows)
 
 
