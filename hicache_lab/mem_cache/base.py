@@ -246,7 +246,7 @@ class BaseHiCache(BasePrefixCache):
 
     @abstractmethod
     def writing_check(self, count: int) -> None:
-        """Consume exactly `count` write acks (waiting for this rank's own copy where it is not done yet)."""
+        """Consume exactly `count` write acks, oldest first: a node is unlocked only once its copy has finished here."""
 
     @abstractmethod
     def loading_check(self, count: int) -> None:

@@ -125,17 +125,6 @@ class HiCacheController:
             count += 1
         return count
 
-    def pop_acks(self, queue: list[HiCacheAck], what: str, count: int) -> list[HiCacheAck]:
-        """Take `count` acks off the head of `queue`, waiting for this rank's own copy where it is not done
-        yet, each checked against its source (`verify`). More than the queue holds fails as SGLang did: "pop
-        from empty list"."""
-        acks = []
-        for _ in range(count):
-            acks.append(queue.pop(0))
-            acks[-1].finish_event.synchronize()
-            self.verify(acks[-1], what)
-        return acks
-
     @staticmethod
     def _checksum(pool, indices: torch.Tensor) -> str:
         """sha256 of the K and V rows at `indices`, in order, every layer: a copy to the wrong slots, or a layer

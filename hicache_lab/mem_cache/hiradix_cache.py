@@ -222,8 +222,15 @@ class HiRadixCache(BaseHiCache, RadixCache):
     # -- acks ----------------------------------------------------------------------------------------
 
     def _consume_acks(self, queue: list, name: str, ongoing: dict[int, TreeNode], count: int) -> list[TreeNode]:
-        """The agreed `count` acks of `queue`: their nodes lose the lock the copy held."""
-        nodes = [ongoing.pop(i) for ack in self.controller.pop_acks(queue, name, count) for i in ack.node_ids]
+        """The agreed `count` acks off the head of `queue`, each once this rank's own copy has finished, checked
+        against its source (`verify`): their nodes lose the lock the copy held. More than the queue holds fails as
+        SGLang did: "pop from empty list"."""
+        acks = []
+        for _ in range(count):
+            acks.append(queue.pop(0))
+            acks[-1].finish_event.synchronize()
+            self.controller.verify(acks[-1], name)
+        nodes = [ongoing.pop(i) for ack in acks for i in ack.node_ids]
         for node in nodes:
             self.dec_lock_ref(node)
         self._traced_unlocks.extend([n.id, len(n.key)] for n in nodes)

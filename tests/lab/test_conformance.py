@@ -21,7 +21,6 @@ from hicache_lab.config import WRITE_POLICIES
 from hicache_lab.lab.sglang.cpu import SGLANG_VERSION, install_cpu_replacements, prepare_imports, sglang_version
 from hicache_lab.lab.sglang.replay import replay
 from hicache_lab.mem_cache import radix_tree
-from hicache_lab.mem_cache.cache_controller import HiCacheController
 from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
 
 pytestmark = pytest.mark.skipif(
@@ -110,13 +109,15 @@ def _evict_oldest_first(nodes) -> list:  # radix_tree.lru_order with its entries
     return [(n.id, n.last_access, n) for n in nodes]
 
 
-def _pop_acks_newest_first(self, queue, what, count):  # HiCacheController.pop_acks with queue.pop() for pop(0)
-    acks = []
-    for _ in range(count):
-        acks.append(queue.pop())
-        acks[-1].finish_event.synchronize()
-        self.verify(acks[-1], what)
-    return acks
+_consume_acks_oldest_first = HiRadixCache._consume_acks
+
+
+def _consume_acks_newest_first(self, queue, name, ongoing, count):  # HiRadixCache._consume_acks from the tail
+    queue.reverse()
+    try:
+        return _consume_acks_oldest_first(self, queue, name, ongoing, count)
+    finally:
+        queue.reverse()
 
 
 _insert_counting_own_hits = HiRadixCache._insert
@@ -130,7 +131,7 @@ def _count_own_inserts_again(self, key, value, inserted_len=0):  # HiRadixCache.
 def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monkeypatch):
     """Each change is one line of the lab: evict by node age instead of last use (radix_tree.lru_order), load
     back from 11 tokens instead of SGLang's 10 (config.CacheConfig.load_back_threshold; the same as `<` made `<=`
-    in HiRadixCache.load_back), consume acks newest first (cache_controller.HiCacheController.pop_acks), count a
+    in HiRadixCache.load_back), consume acks newest first (HiRadixCache._consume_acks), count a
     hit again when a request inserts what its own prefill inserted (SGLang 0.5.18's behaviour, HiRadixCache._insert
     with `inserted_len` ignored)."""
     overrides = {}
@@ -141,7 +142,7 @@ def test_a_deliberate_change_to_the_lab_is_caught(change, groups, tmp_path, monk
     elif change == "own_insert_hits":
         monkeypatch.setattr(HiRadixCache, "_insert", _count_own_inserts_again)
     else:
-        monkeypatch.setattr(HiCacheController, "pop_acks", _pop_acks_newest_first)
+        monkeypatch.setattr(HiRadixCache, "_consume_acks", _consume_acks_newest_first)
     assert seeded_differences(groups, tmp_path, **overrides), f"the {change} change went unnoticed"
 
 

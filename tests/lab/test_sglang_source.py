@@ -1,4 +1,4 @@
-"""SGLang's own source beside the lab's (notebooks 02 and 03) is read from the installed sglang 0.5.23, which
+"""SGLang's own source beside the lab's (notebooks 02 and 06) is read from the installed sglang 0.5.23, which
 imports beside the CPU torch through lab/sglang/cpu.py. Run in a fresh interpreter: importing sglang loads much
 of its model code, which the rest of the suite should not share."""
 

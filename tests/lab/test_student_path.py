@@ -1,93 +1,18 @@
-"""The student path (docs/lab_session.md) teaches before it asks: nothing a student reads or runs before writing
-a function holds that function's answer, and the glossary's words mean one thing wherever they are used.
-
-Before notebook 06 a student reads the README, the session plan, the glossary, docs/notebooks.md and notebooks
-01 and 02 (their text, code and committed outputs): none may hold the code of any of the three answers, nor the
-check's hints. Exercise 3 is homework after notebook 03, which must not hold the groups' answer either."""
+"""The student path (docs/lab_session.md) speaks one language: the glossary's words mean one thing wherever they are
+used; and a student edition is what its command says it is. That nothing in it gives an exercise's answer away
+before the exercise is tests/lab/test_no_recipe.py's."""
 
 from __future__ import annotations
 
-import ast
 import errno
-import inspect
 import os
 import re
-import textwrap
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from hicache_lab.distributed.cache_sync import CacheSync
-from hicache_lab.lab.teach.mistakes import MISTAKES
-from hicache_lab.mem_cache.hiradix_cache import HiRadixCache
-
 ROOT = Path(__file__).resolve().parents[2]
-BEFORE_06 = ("README.md", "docs/lab_session.md", "docs/glossary.md", "docs/notebooks.md")
-NOTEBOOKS_BEFORE_06 = ("01_hicache_tour", "02_pp_queue_divergence")
-ANSWERS = {  # each answer's code, as a student would write it: none of it may be shown before it is asked for
-    "the relay": (CacheSync._pp_sync, ("clone()", "work_list.append", "group_src=self.pp_rank", "group_dst=self.")),
-    "writing_check's body": (
-        HiRadixCache.writing_check,
-        ("finish_event.synchronize()", "ongoing_write_through.pop", "ack_write_queue.pop", "pop_acks("),
-    ),
-    "the groups": (CacheSync._attn_groups, ("self.groups.attn_cp_group", "attn_cp_group, self.groups.attn_tp")),
-}
-
-
-def statements(function) -> list[str]:
-    """The answer's own lines of code (not its signature, docstring or comments), long enough to be telling."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]  # the docstring
-    lines = (line.split("#")[0].strip() for stmt in body for line in ast.unparse(stmt).splitlines())
-    return [line for line in lines if len(line) >= 24]
-
-
-def solution_statements() -> list[str]:
-    solutions = ROOT / "teaching" / "solutions"
-    if not solutions.is_dir():  # a student edition
-        return []
-    lines = (line.split("#")[0].strip() for path in solutions.glob("*.py") for line in path.read_text().splitlines())
-    return [line for line in lines if len(line) >= 24 and not line.startswith(("import", "from", '"""', "def "))]
-
-
-def notebook_text(name: str) -> str:
-    nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    parts = [cell.source for cell in nb.cells]
-    parts += [str(o.get("text", "")) + str(o.get("data", "")) for c in nb.cells for o in c.get("outputs", [])]
-    return "\n".join(parts)
-
-
-def shown(text: str, answers: tuple[str, ...]) -> list[str]:
-    """What of `answers` (names of ANSWERS), the solutions or the check's hints `text` holds."""
-    text = text.replace("'", '"')
-    lines = {f"{name}: {line!r}": line for name in answers for line in statements(ANSWERS[name][0])}
-    lines |= {f"teaching/solutions: {line!r}": line for line in solution_statements()}
-    lines |= {f"{name}: {m!r}": m for name in answers for m in ANSWERS[name][1]}
-    lines |= {f"the hint of {kind}: {m.fix!r}": m.fix for kind, m in MISTAKES.items()}
-    return [what for what, line in lines.items() if line.replace("'", '"') in text]
-
-
-@pytest.mark.parametrize("name", BEFORE_06 + NOTEBOOKS_BEFORE_06)
-def test_nothing_before_notebook_06_holds_an_answer(name):
-    text = (ROOT / name).read_text() if name.endswith(".md") else notebook_text(name)
-    assert not shown(text, tuple(ANSWERS)), f"{name} shows an answer before the exercise"
-
-
-def test_notebook_03_does_not_show_the_groups_before_exercise_3():
-    assert not shown(notebook_text("03_cp_prefetch_sync"), ("the groups",))
-
-
-def test_the_answer_marks_do_find_the_answers():
-    """Each answer's marks and statements are found in its own source, and in a notebook that printed it (the
-    cell notebook 03 had before exercise 3 became homework)."""
-    for name, (function, _) in ANSWERS.items():
-        assert statements(function), name
-        assert shown(inspect.getsource(function), (name,)), name
-    printed = f"<pre>{inspect.getsource(CacheSync._attn_groups)}</pre>"
-    assert shown(printed, ("the groups",)), "side_by_side's output of the lab's _attn_groups is an answer"
 
 
 GLOSSARY = ROOT / "docs" / "glossary.md"
@@ -180,12 +105,14 @@ def test_a_student_edition_leaves_out_the_answers_and_nothing_students_read_poin
     """The edition is HEAD without teaching/; the documents and notebooks students read (as they are now) run no
     wrong answer or solution of teaching/, which the edition does not hold."""
     from hicache_lab.errors import ConfigError
-    from hicache_lab.lab.teach.edition import make_edition
+    from hicache_lab.lab.teach.edition import edits, make_edition
 
     edition = tmp_path / "edition"
     files = make_edition(edition)
     assert not (edition / "teaching").exists() and not [f for f in files if f.startswith("teaching/")]
     assert (edition / "notebooks" / "06_exercises.ipynb").is_file() and (edition / "Makefile").is_file()
+    rewritten = [p for p, pairs in edits().items() for e in pairs if e["teachers"] in (edition / p).read_text()]
+    assert not rewritten, f"the edition ships the teachers' text of {rewritten}"
     with pytest.raises(ConfigError, match="not an empty directory"):
         make_edition(edition)
     with pytest.raises(ConfigError, match="inside the repository"):

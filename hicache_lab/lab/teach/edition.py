@@ -1,11 +1,11 @@
-"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it for a graded session, as a git
-repository of one commit, without `teaching/` (the exercise's answers, the catalogue of wrong ones, the homework's
-answers), the session path's notebooks (`CLEARED`) without their outputs (a prediction comes before its run) and
-set for class (`IN_CLASS = True`). No document on the student path holds an answer (tests/lab/test_student_path.py
-checks it), and the tests that need `teaching/` skip in the edition, saying why. What a student edition cannot
-hide is the package's own source, which holds the lab's answers (`CLOSED`): docs/lab_session.md asks students to
-keep it closed until their three functions pass.
-"""
+"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it, as a git repository of one
+commit, no recipe before its exercise (tests/lab/test_no_recipe.py): without `teaching/` (the answers, the wrong
+ones, the homework's answers; tests that need it skip); the documents that hold the protocol in full with each
+exercise's recipe replaced by what the function must achieve (`student_text`, from teaching/student_edition.json,
+as the texts it replaces are recipes); the session path's notebooks (`CLEARED`) without their outputs (a
+prediction comes before its run) and set for class (`IN_CLASS = True`); the files the lab runs that hold an
+answer listed (`CLOSED`), to keep closed until a student's functions pass. A checkout without `teaching/` is a
+student edition (`student_edition`): no fix there but the one of a verdict."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import errno
 import io
+import json
 import os
 import re
 import shutil
@@ -20,18 +21,22 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-import nbformat
-
 from ...entrypoints.outdir import OutputError
 from ...entrypoints.preflight import check_writable_dir
 from ...errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository this package was installed from
 LEFT_OUT = "teaching"
-CLOSED = (  # where the lab's own answers to notebook 06 are, in the package's source
-    "hicache_lab/distributed/cache_sync.py (CacheSync._pp_sync, CacheSync._attn_groups)",
-    "hicache_lab/mem_cache/hiradix_cache.py (HiRadixCache.writing_check)",
-)
+EDITS = f"{LEFT_OUT}/student_edition.json"
+CLOSED = {  # path (a folder ends in /) -> what it holds that a student must not see before the exercises pass
+    "hicache_lab/distributed/cache_sync.py": "the lab's relay and groups (CacheSync._pp_sync, CacheSync._attn_groups)",
+    "hicache_lab/mem_cache/hiradix_cache.py": "the lab's consumption of acks (HiRadixCache.writing_check)",
+    "hicache_lab/lab/teach/questions.py": "the design question's star, a right relay (exercise 1)",
+    "hicache_lab/lab/teach/mistakes.py": "every kind of mistake's hint (`--hint` shows one, for the verdict you got)",
+    "hicache_lab/lab/sglang/": "SGLang's own lines, which the lab patches at runtime",
+    "bench/": "the relay, timed against a barrier and an all-reduce",
+    "tests/": "the tests, which run right answers of their own",
+}
 CLEARED = ("notebooks/01_hicache_tour.ipynb", "notebooks/02_pp_queue_divergence.ipynb", "notebooks/06_exercises.ipynb")
 AUTHOR = ("-c", "user.name=hicache_lab student-edition", "-c", "user.email=student-edition@hicache-lab.invalid")
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a disk that filled (or a limit reached) as the edition was written
@@ -99,15 +104,19 @@ def make_edition(out: Path) -> list[str]:
             # before 3.11.4 has no extraction filter)
             for member in tar:
                 tar.extract(member, out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
-            for path in CLEARED:  # as a student gets it (`member`: where a full disk would have stopped it)
-                member = tar.getmember(path)
-                for_class(out / path)
-            commit(out)
-            return [m.name for m in tar.getmembers() if m.isfile()]
-    except (ConfigError, OSError) as exc:
+            files = [m.name for m in tar.getmembers() if m.isfile()]
+        member = None  # written whole: an error from here on is not the archive's
+        for path in edits():  # the documents as students get them
+            (out / path).write_text(student_text(path, (out / path).read_text()))
+        for path in CLEARED:  # the path's notebooks, as students get them
+            for_class(out / path)
+        commit(out)
+        return files
+    except ConfigError:
         _remove(out, made)
-        if isinstance(exc, ConfigError):  # from git
-            raise
+        raise
+    except OSError as exc:
+        _remove(out, made)
         where = f" at {member.name}" if member is not None else ""
         if exc.errno in FULL:
             raise OutputError(
@@ -119,6 +128,8 @@ def make_edition(out: Path) -> list[str]:
 
 def for_class(path: Path) -> None:
     """The notebook at `path` without outputs, execution counts or timings, its parameter `IN_CLASS` True."""
+    import nbformat  # with Jupyter (the dev extra), which only a teacher cutting an edition needs
+
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
@@ -150,6 +161,27 @@ def _remove(out: Path, made: Path | None) -> None:
                 path.unlink()
 
 
+def student_edition(root: Path = ROOT) -> bool:
+    return not (root / LEFT_OUT).is_dir()
+
+
+def edits(root: Path = ROOT) -> dict[str, list[dict[str, str]]]:
+    """{path: [{"teachers": text, "students": text}, ...]}; none in a student edition, whose files are the students'."""
+    return {} if student_edition(root) else json.loads((root / EDITS).read_text())["edits"]
+
+
+def student_text(path: str, text: str, root: Path = ROOT) -> str:
+    """`text`, the teachers' `path`, as students get it; a ConfigError where a text to replace is not there once."""
+    for edit in edits(root).get(path, ()):
+        if (found := text.count(edit["teachers"])) != 1:
+            raise ConfigError(
+                f"{path} holds {found} times, not once, a text the student edition replaces "
+                f"({edit['teachers'][:50]!r}...): update {EDITS} with the document"
+            )
+        text = text.replace(edit["teachers"], edit["students"])
+    return text
+
+
 def add_edition_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out", help="a new (or empty) directory outside the repository")
 
@@ -161,5 +193,6 @@ def cmd_edition(args: argparse.Namespace) -> int:
     print(f"{args.out}: a git repository of {len(files)} files of HEAD, without {LEFT_OUT}/; no outputs in:{cleared}")
     if changed:
         print("(uncommitted changes are not in it: commit them and cut it again)")
-    print("Ask students to keep closed until their functions pass:", *CLOSED, sep="\n  ")
+    closed = (f"{path}: {what}" for path, what in CLOSED.items())
+    print("Ask students to keep closed until their functions pass:", *closed, sep="\n  ")
     return 0

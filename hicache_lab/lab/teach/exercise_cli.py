@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from ...config import SYNC_IMPL_SLOTS
-from .edition import LEFT_OUT, ROOT
+from .edition import LEFT_OUT, student_edition
 from .exercise import check
 from .mistakes import MISTAKES
 
@@ -42,12 +42,12 @@ def mistakes_table(hint: bool = False) -> str:
     """The markdown table of every kind of mistake the audit recognises: its name in a verdict, whether it stops
     the run, and the check's words for why it is wrong (docs/notebooks.md, for students). `hint`: with a wrong
     answer of teaching/mistakes/ that shows it and the fix (teaching/README.md, for teachers)."""
-    if not hint:
-        rows = ["| `WRONG (kind)` | stops the run | why it is wrong (the check's words) |", "|---|---|---|"]
-        rows += [f"| `{kind}` | {stops(m)} | {m.why} |" for kind, m in MISTAKES.items()]
-        return "\n".join(rows)
-    rows = ["| `WRONG (kind)` | stops the run | shown by `teaching/mistakes/` | the hint |", "|---|---|---|---|"]
-    rows += [f"| `{kind}` | {stops(m)} | `{EXAMPLES[kind]}` | {m.fix} |" for kind, m in MISTAKES.items()]
+    head = "shown by `teaching/mistakes/` | the hint" if hint else "why it is wrong (the check's words)"
+    rows = [f"| `WRONG (kind)` | stops the run | {head} |", "|---|---|---|" + "---|" * hint]
+    rows += [
+        f"| `{kind}` | {stops(m)} | " + (f"`{EXAMPLES[kind]}` | {m.fix} |" if hint else f"{m.why} |")
+        for kind, m in MISTAKES.items()
+    ]
     return "\n".join(rows)
 
 
@@ -68,15 +68,14 @@ def add_exercise_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--hint", action="store_true", help="add what to change to a verdict that names a kind of mistake"
     )
+    teachers = "" if student_edition() else " (with --hint: the teachers' table, with the fixes)"
     parser.add_argument(
-        "--table",
-        action="store_true",
-        help="print the table of mistakes the check recognises (with --hint: the teachers' table, with the fixes)",
+        "--table", action="store_true", help=f"print the table of mistakes the check recognises{teachers}"
     )
 
 
 def cmd_exercise(args: argparse.Namespace) -> int:
-    if args.table and args.hint and not (ROOT / LEFT_OUT).is_dir():
+    if args.table and args.hint and student_edition():
         print(
             f"--table --hint is the teachers' table, with every fix; this checkout has no {LEFT_OUT}/ (a student "
             "edition): --table alone gives the students' table, and --hint on a verdict the fix for that mistake",
