@@ -42,8 +42,7 @@ PATH = {  # step of the plan's table -> what it reads, and whether its machine t
     2: (Reading("notebooks/01_hicache_tour.ipynb", stop=r"## Deeper"), True),
     3: (Reading("notebooks/02_pp_queue_divergence.ipynb", stop=r"## Deeper"), True),
     4: (Reading("notebooks/06_exercises.ipynb", stop=r"### A design question"), False),
-    5: (Reading("SYNC.md", stop=r"\| *(?![123] *\|)\w+ *\|"), False),  # the paragraph above the table, rows 1-3
-    6: (Reading("notebooks/06_exercises.ipynb", r"### A design question", r"## Exercise 3"), False),
+    5: (Reading("notebooks/06_exercises.ipynb", r"### A design question", r"## Exercise 3"), False),
 }
 
 
