@@ -47,6 +47,8 @@ WRONG = [
     ("pp_sync", "handshake", PP2, "backwards", "with yours, "),
     ("pp_sync", "forwards_before_receiving", PP3, "forwarded_before_receive", "stage 1 sent [0, 0] to stage 2"),
     ("pp_sync", "middle_stage_keeps_it", PP3, None, "a message no stage sent"),
+    ("pp_sync", "calls_the_labs_own", PP2, "uses_the_lab_own", "calls_the_labs_own calls the lab's own _pp_sync"),
+    ("writing_check", "calls_the_labs_own", PP2, "uses_the_lab_own", "the lab's own _consume_acks"),
     ("writing_check", "only_finished_here", PP2, "wrong_ack_count", "where every rank agreed on"),
     ("writing_check", "no_wait", PP2, "copy_not_waited", "the oracle found"),
     ("writing_check", "newest_first", PP2, "acks_out_of_order", "of its queue"),

@@ -23,6 +23,8 @@ The words of a verdict come from explain.py; `python -m hicache_lab exercise` is
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import inspect
 import multiprocessing
 from collections.abc import Callable
@@ -129,6 +131,46 @@ def spec_of(slot: str, value: str | Callable) -> str:
     return f"{slot}={source}:{value.__name__}"
 
 
+LAB_OWN = {  # slot -> the lab's methods that do its work, which an answer must not call
+    "pp_sync": {"_pp_sync"},
+    "writing_check": {"writing_check", "loading_check", "_consume_acks"},
+    "attn_groups": {"_attn_groups"},
+}
+
+
+def lab_own_calls(spec: str) -> tuple[str, set[str]] | None:
+    """The function a `--sync-impl` spec names and the lab's methods (`LAB_OWN`) its source refers to, read
+    without running it; None where its source cannot be found (the run's import then says why)."""
+    slot, _, target = spec.partition("=")
+    module, _, name = target.rpartition(":")
+    if module.endswith(".py"):
+        source = Path(module)
+    else:
+        found = importlib.util.find_spec(module) if module else None
+        source = Path(found.origin) if found and found.origin else None
+    if source is None or not source.is_file():
+        return None
+    tree = ast.parse(source.read_text())
+    node = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name.split(".")[-1]), None)
+    if node is None:
+        return None
+    names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+    return name, names & LAB_OWN[slot]
+
+
+def judge_lab_own(verdict: Verdict, specs: tuple[str, ...]) -> None:
+    """A function that calls the lab's own method for its slot does not do the exercise: the verdict says so
+    before any world runs."""
+    for spec in specs:
+        found = lab_own_calls(spec)
+        if found and found[1]:
+            what = f"{found[0]} calls the lab's own {', '.join(sorted(found[1]))}"
+            verdict.ok, verdict.mistake = False, "uses_the_lab_own"
+            verdict.lines.append(f"before any world: WRONG (uses_the_lab_own) {mistake_text('uses_the_lab_own', what)}")
+            return
+
+
 RELAY = "pp_sync=hicache_lab.distributed.cache_sync:CacheSync._pp_sync"  # the lab's own, audited the same way
 BINDERS = (SYNC_IMPLS, FAULTS)  # what its worlds need: your functions, and a slower stage
 
@@ -167,6 +209,9 @@ def check(
     if not specs:
         raise ConfigError(f"check() needs at least one of {', '.join(SYNC_IMPL_SLOTS)}")
     verdict = Verdict(show_hint=hint)
+    judge_lab_own(verdict, specs)
+    if not verdict.ok:
+        return verdict
     _running = True
     try:
         for i, world in enumerate(worlds):

@@ -21,6 +21,7 @@ EXAMPLES = {  # kind -> a wrong answer in teaching/mistakes/ that shows it (test
     "recv_not_waited": "pp_sync.py:irecv_without_wait",
     "recv_elsewhere": "pp_sync.py:receives_into_a_new_tensor",
     "forwarded_before_receive": "pp_sync.py:forwards_before_receiving",
+    "uses_the_lab_own": "pp_sync.py:calls_the_labs_own",
     "no_receive": "pp_sync.py:two_stages_only",
     "backwards": "pp_sync.py:upstream",
     "wrong_rank_space": "pp_sync.py:global_ranks",

@@ -62,6 +62,12 @@ MISTAKES = {
         "different acks from stage 0",
         "a stage forwards stage 0's values: send on only what has arrived, once its own receive has completed",
     ),
+    "uses_the_lab_own": Mistake(
+        True,
+        "the lab's own method does the exercise's work: calling it passes every world and teaches nothing (the "
+        "check reads your function's source for the lab's methods of this slot)",
+        "write the slot's work yourself, from what the exercise says the function must achieve",
+    ),
     "no_receive": Mistake(
         False,
         "every stage after the first must end the call holding PP rank 0's values: a stage that receives nothing "
