@@ -20,7 +20,7 @@ from ...provenance import machine
 from ..check.releases import WORLDS, config, format_table, run_cell
 from ..presets import World
 from ..sglang import releases
-from .style import configs_caption, save_figure
+from .style import runs_caption, save_figure
 
 OUTCOME_COLORS = {
     "agreed": "#55a868",
@@ -67,8 +67,8 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
         frameon=False,
     )
     ax.set_title("SGLang's own HiCache in lab worlds, release by release", fontsize=10, pad=12)
-    configs = [config(versions[0], world) for world in worlds]
-    save_figure(fig, path, configs_caption([dataclasses.asdict(c) for c in configs], [machine(configs[0].device)]))
+    configs = [{"config": dataclasses.asdict(config(versions[0], world))} for world in worlds]
+    save_figure(fig, path, runs_caption(configs, machine()))
 
 
 def _column(version: str) -> str:

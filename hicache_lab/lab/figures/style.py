@@ -22,21 +22,10 @@ from ...config import RunConfig
 TIER_COLORS = {"device": "#4c72b0", "host": "#dd8452", "storage": "#55a868"}
 BOTH_TIERS_COLOR = "#8172b3"  # a tree node on the device with a host copy
 OTHER_COLORS = ("#333333", "#c44e52", "#937860", "#8c8c8c", "#da8bc3", "#ccb974")
-DPI = 120  # the figures' resolution where matplotlib's savefig.dpi is not set (`figures --dpi` sets it)
-FORMATS = ("png", "pdf", "svg")  # what `figures --format` writes; a path's suffix picks it
-SEPARATOR = "  ·  "  # between a caption line's parts
-CAPTION_STYLE = {"fontsize": 7.5, "color": "0.3"}
-# Fields a caption leaves out: paths and addresses of a machine.
-UNSHOWN = {"cache.storage_dir", "cache.mooncake_master", "cache.mooncake_metadata_url"}
-SAID_IN_WORDS = {  # the workload's fields `workload_words` says in words, not as flags
-    "num_clients",
-    "num_rounds",
-    "request_length",
-    "sub_question_input_length",
-    "output_length",
-    "seed",
-    "trace_file",
-}
+DPI, FORMATS = 120, ("png", "pdf", "svg")  # where savefig.dpi is not set (`figures --dpi` sets it); the suffixes
+SEPARATOR, CAPTION_STYLE = "  ·  ", {"fontsize": 7.5, "color": "0.3"}  # between a caption line's parts; its look
+UNSHOWN = {"cache.storage_dir", "cache.mooncake_master", "cache.mooncake_metadata_url"}  # one machine's paths
+IN_WORDS = {"num_clients", "num_rounds", "request_length", "sub_question_input_length", "output_length", "seed"}
 
 
 def rate_by_round(ax, ylabel: str = "", bottom: float = 0) -> None:
@@ -54,64 +43,44 @@ def caption_line(workload: str, configuration: str, machine: str) -> str:
     return SEPARATOR.join((f"workload: {workload}", f"configuration: {configuration}", f"machine: {machine}"))
 
 
-def runs_caption(summaries: Iterable[dict]) -> str:
-    """The caption of a figure of these runs (their `summary.json`s): `configs_caption` of their configurations,
-    on the machine each summary's provenance names."""
-    summaries = list(summaries)
-    machines = [s.get("provenance", {}).get("machine", "not recorded") for s in summaries]
-    return configs_caption([s["config"] for s in summaries], machines)
-
-
-def configs_caption(configs: list[dict], machines: list[str]) -> str:
-    """The caption of a figure of runs of these configurations (`dataclasses.asdict` of each RunConfig, as
-    `summary.json` holds it): their workload, the flags beyond the defaults that all of them share (what differs
-    between them, the figure's legend or titles say) and the machines."""
+def runs_caption(summaries: Iterable[dict], machine: str = "") -> str:
+    """The caption line of a figure of these runs (their `summary.json`s, or `{"config": dataclasses.asdict(a
+    RunConfig)}`): their workload, the flags beyond the defaults that all of them share (what differs between
+    them, the figure's legend or titles say) and the machine (each summary's provenance names it)."""
+    configs = [json.loads(json.dumps(s["config"])) for s in summaries]
     flags = [flags_beyond_defaults({k: v for k, v in c.items() if k != "workload"}) for c in configs]
-    shared = [flag for flag in flags[0] if all(flag in other for other in flags[1:])]
-    workloads = dict.fromkeys(workload_words(c["workload"]) for c in configs)
-    return caption_line(" / ".join(workloads), " ".join(shared) or "the defaults", " / ".join(dict.fromkeys(machines)))
+    shared = " ".join(flag for flag in flags[0] if all(flag in other for other in flags[1:])) or "the defaults"
+    machine = machine or " / ".join(dict.fromkeys(s.get("provenance", {}).get("machine", "?") for s in summaries))
+    return caption_line(
+        " / ".join(dict.fromkeys(map(_workload_words, (c["workload"] for c in configs)))), shared, machine
+    )
 
 
-def workload_words(workload: dict) -> str:
-    """A run's workload (its config's `workload` section, as `summary.json` holds it) in a few words."""
-    w = json.loads(json.dumps(workload))
+def _workload_words(w: dict) -> str:
+    """A run's workload (its config's `workload` section) in a few words, then the flags of the rest."""
+    words = f"{w['num_clients']} clients × {w['num_rounds']} rounds, {w['request_length']}-token openings, "
+    words += f"{w['sub_question_input_length']}-token follow-ups, {w['output_length']}-token answers"
     if w.get("trace_file"):
-        said = f"Mooncake trace {Path(w['trace_file']).name}"
-    else:
-        said = (
-            f"{w['num_clients']} clients × {w['num_rounds']} rounds, {w['request_length']}-token openings, "
-            f"{w['sub_question_input_length']}-token follow-ups, {w['output_length']}-token answers"
-        )
-    more = flags_beyond_defaults({"workload": {k: v for k, v in w.items() if k not in SAID_IN_WORDS}})
-    return " ".join([f"{said}, seed {w['seed']}", *more])
+        words = f"Mooncake trace {Path(w.pop('trace_file')).name}"
+    more = flags_beyond_defaults({"workload": {k: v for k, v in w.items() if k not in IN_WORDS}})
+    return " ".join([f"{words}, seed {w['seed']}", *more])
 
 
 def flags_beyond_defaults(config: dict) -> list[str]:
-    """The `run` flags that give `config` (a RunConfig as `summary.json` holds it, or some of its sections) where
-    it differs from the defaults; paths and addresses of a machine (UNSHOWN) left out."""
-    default, config = (json.loads(json.dumps(c)) for c in (dataclasses.asdict(RunConfig()), config))
-    flags = []
+    """The `run` flags that give `config` (sections of a RunConfig as `summary.json` holds them) where it differs
+    from the defaults, but for one machine's paths; a switch bare, layer counts comma-separated, a list repeated."""
+    default, flags = json.loads(json.dumps(dataclasses.asdict(RunConfig()))), []
     for section, values in config.items():
         for name, value in values.items() if isinstance(values, dict) else [("", values)]:
             field = f"{section}.{name}" if name else section
-            was = default.get(section, {}).get(name) if name else default.get(section)
-            if value != was and field in FIELD_FLAGS and field not in UNSHOWN:
-                flags += _spelled(FIELD_FLAGS[field], value)
+            flag = None if field in UNSHOWN else FIELD_FLAGS.get(field)
+            if not flag or value == (default[section].get(name) if name else default[section]):
+                continue
+            if isinstance(value, list) and all(isinstance(v, int) for v in value):
+                value = ",".join(map(str, value))
+            shown = [f"{v:g}" if isinstance(v, float) else v for v in (value if isinstance(value, list) else [value])]
+            flags += [flag] if isinstance(value, bool) else [f"{flag} {v}" for v in shown]
     return flags
-
-
-def _spelled(flag: str, value) -> list[str]:
-    """`flag` with `value` as a command line gives it (a switch bare; a list of layer counts comma-separated; any
-    other list as the flag repeated)."""
-    if isinstance(value, bool):
-        return [flag]
-    if isinstance(value, list):
-        return (
-            [f"{flag} {','.join(map(str, value))}"]
-            if all(isinstance(v, int) for v in value)
-            else [f"{flag} {v}" for v in value]
-        )
-    return [f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"]
 
 
 def add_caption(fig, text: str) -> None:
