@@ -25,6 +25,7 @@ OTHER_COLORS = ("#333333", "#c44e52", "#937860", "#8c8c8c", "#da8bc3", "#ccb974"
 DPI, FORMATS = 120, ("png", "pdf", "svg")  # where savefig.dpi is not set (`figures --dpi` sets it); the suffixes
 SEPARATOR, CAPTION_STYLE = "  ·  ", {"fontsize": 7.5, "color": "0.3"}  # between a caption line's parts; its look
 UNSHOWN = {"cache.storage_dir", "cache.mooncake_master", "cache.mooncake_metadata_url"}  # one machine's paths
+WORKLOAD_FILES = {"trace_file": "Mooncake trace", "conversation_file": "conversations", "requests_file": "requests"}
 IN_WORDS = {"num_clients", "num_rounds", "request_length", "sub_question_input_length", "output_length", "seed"}
 
 
@@ -60,8 +61,8 @@ def _workload_words(w: dict) -> str:
     """A run's workload (its config's `workload` section) in a few words, then the flags of the rest."""
     words = f"{w['num_clients']} clients × {w['num_rounds']} rounds, {w['request_length']}-token openings, "
     words += f"{w['sub_question_input_length']}-token follow-ups, {w['output_length']}-token answers"
-    if w.get("trace_file"):
-        words = f"Mooncake trace {Path(w.pop('trace_file')).name}"
+    for name, what in WORKLOAD_FILES.items():  # a workload from a file: its name
+        words = f"{what} {Path(w.pop(name)).name}" if w.get(name) else words
     more = flags_beyond_defaults({"workload": {k: v for k, v in w.items() if k not in IN_WORDS}})
     return " ".join([f"{words}, seed {w['seed']}", *more])
 
