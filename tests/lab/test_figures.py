@@ -51,7 +51,7 @@ def test_a_format_or_resolution_it_cannot_write_is_refused_before_any_run(tmp_pa
 def test_the_caption_says_the_workload_the_shared_flags_and_the_machine():
     other = json.loads(json.dumps(SUMMARY))
     other["config"]["parallel"]["pp"] = 3  # what differs between the runs, the legend says
-    line = runs_caption([SUMMARY, other])
+    line = runs_caption(iter([SUMMARY, other]))  # as the figures pass them: a generator
     assert line.startswith("workload: 4 clients × 8 rounds, 256-token openings, 32-token follow-ups")
     assert "configuration: --enable-hierarchical-cache  ·  machine: a test CPU, 2 CPUs" in line
     assert "--pp" not in line and "/x" not in line  # not shared; a path of one machine

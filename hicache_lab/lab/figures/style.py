@@ -48,6 +48,7 @@ def runs_caption(summaries: Iterable[dict], machine: str = "") -> str:
     """The caption line of a figure of these runs (their `summary.json`s, or `{"config": dataclasses.asdict(a
     RunConfig)}`): their workload, the flags beyond the defaults that all of them share (what differs between
     them, the figure's legend or titles say) and the machine (each summary's provenance names it)."""
+    summaries = list(summaries)  # read twice: a generator would give the machines nothing
     configs = [json.loads(json.dumps(s["config"])) for s in summaries]
     flags = [flags_beyond_defaults({k: v for k, v in c.items() if k != "workload"}) for c in configs]
     shared = " ".join(flag for flag in flags[0] if all(flag in other for other in flags[1:])) or "the defaults"
