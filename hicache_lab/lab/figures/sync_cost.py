@@ -204,16 +204,12 @@ def plot_sync_cost(results, path: Path, caption: str) -> list[str]:
 
 
 def agreement_caption(report: dict) -> str:
-    """The caption line of bench/agreement_cost.py's figures from its JSON report (agreement_cost.json: the
-    arguments it ran with and the machine it measured on)."""
-    args, machine = report.get("args", {}), report.get("machine", {})
-    workload = (
-        f"part 1: {args.get('num_clients')} clients × {args.get('num_rounds')} rounds, {args.get('repeats')} "
-        f"repeats; part 2: a modelled pipeline, {args.get('steps')} steps of {args.get('stage_ms')} ms a stage, "
-        f"{args.get('blocks')} blocks"
+    """The caption line of bench/agreement_cost.py's figures, from its JSON report (agreement_cost.json)."""
+    a, m = report.get("args", {}), report.get("machine", {})
+    return caption_line(
+        f"part 1: {a.get('num_clients')} clients × {a.get('num_rounds')} rounds, {a.get('repeats')} repeats; part 2: "
+        f"a modelled pipeline, {a.get('steps')} steps of {a.get('stage_ms')} ms a stage, {a.get('blocks')} blocks",
+        f"part 1 --pp {a.get('pp')} --sync {'/'.join(a.get('sync_modes', []))}; part 2 PP "
+        + ",".join(map(str, a.get("pp_sizes", []))),
+        f"{m.get('processor', 'not recorded')}, {m.get('cpu_count')} CPUs, gloo, torch {m.get('torch')}",
     )
-    modes, sizes = "/".join(args.get("sync_modes", [])), ",".join(map(str, args.get("pp_sizes", [])))
-    configuration = f"part 1 --pp {args.get('pp')} --sync {modes}; part 2 PP {sizes}"
-    where = f"{machine.get('processor', 'not recorded')}, {machine.get('cpu_count')} CPUs, gloo"
-    where += f", torch {machine.get('torch')}"
-    return caption_line(workload, configuration, where)

@@ -107,7 +107,6 @@ def plot_tree(tree, title: str = "", legend: bool = True, *, caption: str):
 
 
 def tree_caption(cache: CacheConfig, workload: str) -> str:
-    """The caption line of a tree of one rank in this process (lab.teach.tour.OneRank) with the cache `cache`:
-    `workload` (its requests, in words), the cache's flags and this machine."""
+    """The caption line of a tree of one rank in this process (teach.tour.OneRank): `workload`, in words."""
     flags = " ".join(flags_beyond_defaults({"cache": dataclasses.asdict(cache)}))
     return caption_line(workload, flags, machine())
