@@ -9,6 +9,7 @@ import datetime
 import os
 import socket
 import time
+from functools import cache, partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -79,20 +80,15 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         if rank == 0:
             end = WorldEnd(run_id)
             guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
-        stores = []  # the store the rank joins with, kept: a rank says there that it completed, rank 0 reads it
-
-        def store() -> dist.Store:
-            stores.append(env_store(rank, world, cfg.parallel.collective_timeout_s))
-            return stores[0]
-
-        result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
+        joined = cache(partial(env_store, rank, world, cfg.parallel.collective_timeout_s))  # one store, kept
+        result = join_and_run(cfg, rank, joined, out_dir, run_id, guard, binders)
         if rank != 0:
             if not result["completed"]:  # peers may be blocked on us: torchrun stops them
                 os._exit(exit_code(result.get("interrupted"), ok=False))
-            with contextlib.suppress(RuntimeError, OSError):  # rank 0's store gone: nobody to tell
-                stores[0].set(_key("completed", rank), socket.gethostname())
+            with contextlib.suppress(RuntimeError, OSError):  # tell rank 0 (its store gone: nobody to tell)
+                joined().set(_key("completed", rank), socket.gethostname())
             return None
-        store = stores[0] if stores else None
+        store = joined() if result["completed"] else None  # where the others said they completed
         cut_short = _await_peers(cfg, out_dir, result, end, store)
         end.interrupted = result.get("interrupted") or cut_short
         guard.finish()
