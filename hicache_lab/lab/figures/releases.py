@@ -67,7 +67,7 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
         frameon=False,
     )
     ax.set_title("SGLang's own HiCache in lab worlds, release by release", fontsize=10, pad=12)
-    configs = [{"config": dataclasses.asdict(config(versions[0], world))} for world in worlds]
+    configs = [{"config": dataclasses.asdict(config(v, world))} for v in versions for world in worlds]
     save_figure(fig, path, runs_caption(configs, machine()))
 
 
