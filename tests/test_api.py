@@ -19,7 +19,19 @@ from hicache_lab.errors import ConfigError
 from hicache_lab.lab.presets import WORKLOAD
 
 SMALL = f"{WORKLOAD} --num-layers 2 --num-rounds 3 --enable-hierarchical-cache"  # one rank, in this process
-PROVENANCE = {"command", "commit", "dirty", "python", "torch", "sglang", "hicache_lab", "host", "date", "seed"}
+PROVENANCE = {
+    "command",
+    "commit",
+    "dirty",
+    "python",
+    "torch",
+    "sglang",
+    "hicache_lab",
+    "host",
+    "machine",
+    "date",
+    "seed",
+}
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,15 @@
 """One rank of a world that `torchrun` started (RANK, WORLD_SIZE, MASTER_ADDR/PORT set; `started_by_torchrun`
 checks them): rank 0 owns the output directory and writes the summary, even when a rank died; what each rank that
-left no result was doing."""
+left no result was doing, or that it completed where rank 0 cannot see its result (an --out not shared)."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
 import os
+import socket
 import time
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch.distributed as dist
@@ -24,6 +25,7 @@ from .report import WorldEnd, print_summary, read_results, summarize
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WORKING_BOUND = 10  # rank 0 waits at most this many collective timeouts for a peer that still works
+VISIBLE_S = 3.0  # how long a result a rank said it wrote gets to appear in rank 0's --out
 
 
 def started_by_torchrun(environ: dict[str, str]) -> bool:
@@ -78,16 +80,19 @@ def run_under_torchrun(cfg: RunConfig, out_dir: Path, binders: tuple[Binder, ...
         if rank == 0:
             end = WorldEnd(run_id)
             guard.owe(lambda name: print_summary(summarize(cfg, out_dir, time.perf_counter() - started, end)))
-        store = partial(env_store, rank, world, cfg.parallel.collective_timeout_s)
-        result = join_and_run(cfg, rank, store, out_dir, run_id, guard, binders)
+        joined = cache(partial(env_store, rank, world, cfg.parallel.collective_timeout_s))  # one store, kept
+        result = join_and_run(cfg, rank, joined, out_dir, run_id, guard, binders)
         if rank != 0:
             if not result["completed"]:  # peers may be blocked on us: torchrun stops them
                 os._exit(exit_code(result.get("interrupted"), ok=False))
+            with contextlib.suppress(RuntimeError, OSError):  # tell rank 0 (its store gone: nobody to tell)
+                joined().set(_key("completed", rank), socket.gethostname())
             return None
-        cut_short = _await_peers(cfg, out_dir, result, end)
+        store = joined() if result["completed"] else None  # where the others said they completed
+        cut_short = _await_peers(cfg, out_dir, result, end, store)
         end.interrupted = result.get("interrupted") or cut_short
         guard.finish()
-        _name_missing(cfg, out_dir, result, end)
+        _name_missing(cfg, out_dir, result, end, store)
         summary = summarize(cfg, out_dir, time.perf_counter() - started, end)
     print_summary(summary)
     return summary
@@ -110,8 +115,7 @@ def env_store(rank: int, world: int, timeout_s: float) -> dist.Store:
                 "each world its own MASTER_PORT and each rank its own RANK"
             ) from None
         raise
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if store.add(f"hicache_lab/joined/{attempt}/rank{rank}", 1) > 1:
+    if store.add(f"hicache_lab/{_key('joined', rank)}", 1) > 1:
         raise ConfigError(
             f"RANK={rank} has joined the world at {host}:{port} already: another world uses this MASTER_PORT, or "
             f"two processes were given RANK={rank}; give each world its own MASTER_PORT and each rank its own RANK"
@@ -119,20 +123,38 @@ def env_store(rank: int, world: int, timeout_s: float) -> dist.Store:
     return dist.PrefixStore("hicache_lab", store)
 
 
-def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> str | None:
+def _key(name: str, rank: int) -> str:
+    """A rank's key `name` in the world's store, this attempt's (torchrun's restart count)."""
+    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/rank{rank}"
+
+
+def _completed_on(store: dist.Store | None, rank: int) -> str | None:
+    """The host on which `rank` said (over the world's store) that it completed, if it did."""
+    with contextlib.suppress(RuntimeError, OSError):  # the store is gone: its host's torchrun ended
+        if store is not None and store.check([_key("completed", rank)]):
+            return store.get(_key("completed", rank)).decode()
+    return None
+
+
+def _await_peers(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd, store: dist.Store | None) -> str | None:
     """Rank 0 waits for the other results: when it completed, up to the collective timeout, and beyond it for as
     long as a rank that has not reported still works on this host (its CPU time grew within the last collective
     timeout: a loaded machine, the reference outputs computed) up to WORKING_BOUND timeouts; GRACE_S when it
     waited for a peer (the cause may still report) or was interrupted (so were they); not at all when it failed
-    on its own. Returns the signal that cut the wait short (torchrun stops the world once a rank died), if any."""
+    on its own; VISIBLE_S once every rank missing said over the store that it completed. Returns the signal that
+    cut the wait short (torchrun stops the world once a rank died), if any."""
     p = cfg.parallel
     wait = p.collective_timeout_s if result["completed"] else GRACE_S
     wait = 0 if result["crashed"] and not result.get("waited") else wait
     started = time.monotonic()
     working = _Working(result, p.collective_timeout_s) if result["completed"] else None
+    said = None  # when every rank missing had said it completed
     try:
         while (missing := _missing(cfg, out_dir, end)) and time.monotonic() - started < wait * WORKING_BOUND:
-            if time.monotonic() - started >= wait and not (working and working.any(missing)):
+            if all(_completed_on(store, rank) for rank in missing):
+                said = said or time.monotonic()
+            waited = time.monotonic() - started >= wait and not (working and working.any(missing))
+            if waited or (said and time.monotonic() - said >= VISIBLE_S):
                 break
             time.sleep(0.1)
     except Interrupted as exc:
@@ -164,19 +186,21 @@ class _Working:
         return working
 
 
-def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd) -> None:
-    """What each rank that left no result is doing now (its process on this host, from the ranks' meeting):
-    gone (it died: the cause), or still there (stuck)."""
+def _name_missing(cfg: RunConfig, out_dir: Path, result: dict, end: WorldEnd, store: dist.Store | None) -> None:
+    """What each rank that left no result is doing now: it completed (it said so over the store) where rank 0
+    cannot see its result; else its process on this host (from the ranks' meeting) gone (it died: the cause), or
+    still there (stuck)."""
     reported = {r["rank"] for r in read_results(out_dir, end, cfg.parallel.world_size)}
-    for rank in range(cfg.parallel.world_size):
-        pid = result.get("peers", {}).get(str(rank))
-        if rank in reported:
-            continue
-        if pid is None:
+    for rank in (rank for rank in range(cfg.parallel.world_size) if rank not in reported):
+        pid, host = result.get("peers", {}).get(str(rank)), _completed_on(store, rank)
+        if host:
+            end.stopped[rank] = (
+                f"its result is not visible here in {out_dir}, though it completed on host {host}: is --out one "
+                "directory shared by every node?"
+            )
+        elif pid is None:
             end.stopped[rank] = "no process of it known here (on another host, or it never met rank 0)"
-            continue
-        state = process_state(pid)
-        if state == "gone" or state.startswith("a zombie"):
+        elif (state := process_state(pid)) == "gone" or state.startswith("a zombie"):
             end.failed[rank] = "died (its process is gone)"
         else:
             end.stopped[rank] = f"its process is {state}"

@@ -13,7 +13,9 @@ from bench.agreement_primitives import ATTN_OPS, PP_VARIANTS, SCENARIOS, TIMELIN
 from bench.agreement_tables import PART1_SKIPPED, sections
 from bench.common import write_csv
 from hicache_lab.lab.figures.lockstep import LOCKSTEP_VARIANTS, plot_lockstep
+from hicache_lab.lab.figures.style import caption_line
 from hicache_lab.lab.figures.sync_cost import plot_sync_cost
+from hicache_lab.provenance import machine
 
 SMOKE = {"steps": 3, "stage_ms": 0.2, "slow_factor": 2.0, "calls": 3, "warmup": 1, "blocks": 2, "timeout_s": 60}
 SMOKE_TIMELINE = {**SMOKE, "steps": 5, "timeline": True}
@@ -42,7 +44,7 @@ def test_every_stage_reports_every_measurement(tmp_path):
     assert set(values[3]) >= {(s, v, "step_ms") for s in SCENARIOS for v in PP_VARIANTS}
 
     out = tmp_path / "sync_cost.png"
-    panels = plot_sync_cost(frame, out)
+    panels = plot_sync_cost(frame, out, caption_line("smoke", "SMOKE", machine()))
     assert panels == ["stages", "equal", "slow_last"]  # no part 1 here: its panel is left out, not drawn empty
     assert Image.open(out).size[0] > 1000
 
@@ -67,7 +69,7 @@ def test_part_1_alone_is_one_panel(tmp_path):
         for repeat in (0, 1)
     )
     out = tmp_path / "sync_cost.png"
-    assert plot_sync_cost(frame, out) == ["step_time"]
+    assert plot_sync_cost(frame, out, "by hand") == ["step_time"]
     assert Image.open(out).size[0] > 500
 
 
@@ -87,6 +89,8 @@ def test_the_timeline_marks_every_timed_step_in_order_and_on_one_clock(tmp_path)
     later = frame[frame["rank"] > 0].set_index(keys)
     before = frame.assign(rank=frame["rank"] + 1).set_index(keys).reindex(later.index)
     assert (later["received"] >= before["forwarded"]).all()
-    table = plot_lockstep(frame, tmp_path / "lockstep.png", pp=3, scenario="slow_last", first_step=1, span_ms=3)
+    table = plot_lockstep(
+        frame, tmp_path / "lockstep.png", "smoke", pp=3, scenario="slow_last", first_step=1, span_ms=3
+    )
     assert list(table.index) == list(LOCKSTEP_VARIANTS) and (table["pipeline step (ms)"] > 0).all()
     assert Image.open(tmp_path / "lockstep.png").size[0] > 1000

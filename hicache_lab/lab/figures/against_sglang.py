@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 
 from ..sglang.replay import Replay
-from .style import OTHER_COLORS, rate_by_round, save_figure
+from .style import OTHER_COLORS, rate_by_round, runs_caption, save_figure
 
 # The lab against SGLang: not tiers, so OTHER_COLORS (OTHER_COLORS[0] is too close to the black bound line)
 LAB_COLOR, SGLANG_COLORS = OTHER_COLORS[1], (OTHER_COLORS[2], OTHER_COLORS[4], OTHER_COLORS[5], OTHER_COLORS[3])
@@ -33,7 +33,7 @@ def plot_against_sglang(summary: dict, sglang_rows: list[dict], path: Path) -> N
             ax.axhline(100 * overall["hit_rate"], ls="--", lw=1, color=color, label=f"SGLang: {tag} (overall)")
     rate_by_round(ax, "prefix cache hit rate (%)")
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption([summary]))
 
 
 def plot_against_sglang_cache(runs: dict[str, tuple[dict, Replay]], path: Path) -> None:
@@ -58,7 +58,7 @@ def plot_against_sglang_cache(runs: dict[str, tuple[dict, Replay]], path: Path) 
         rate_by_round(ax, bottom=-3)  # a rate of 0 stays visible above the axis
     axes[0][0].set_ylabel("prefix cache hit rate (%)")
     axes[0][0].legend(fontsize=8, loc="upper left")
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption(summary for summary, _ in runs.values()))
 
 
 def compare_with_sglang(summary: dict, sglang: list[dict], log: str, figure: Path) -> None:

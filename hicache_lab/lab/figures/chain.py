@@ -15,7 +15,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ...managers.step_trace import read_trace
 from ..teach.chain import Link, ahead_at, differing_steps, find_chain, healed_steps
-from .style import OTHER_COLORS, save_figure
+from .style import OTHER_COLORS, runs_caption, save_figure
 
 ACCENT = OTHER_COLORS[1]  # the stage a link happened on (red); the others are drawn in grey
 PHASE_TITLES = {  # each link's row, on the left
@@ -269,7 +269,7 @@ def draw_chain(links: list[Link], rows: list[dict], summary: dict, path: Path, t
     else:
         _draw_strip(top, links, rows, ranks, title)
         _draw_lanes(bottom, links, ranks)
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption([summary]))
 
 
 def chain_figure(out_dir: Path, summary: dict, path: Path, title: str = "") -> list[Link]:

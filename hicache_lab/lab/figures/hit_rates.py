@@ -9,7 +9,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from .style import OTHER_COLORS, TIER_COLORS, rate_by_round, save_figure
+from .style import OTHER_COLORS, TIER_COLORS, rate_by_round, runs_caption, save_figure
 
 
 def deepest_tier(label: str, summary: dict | None = None) -> str | None:
@@ -88,7 +88,7 @@ def plot_hit_rates(summaries: dict[str, dict], path: Path) -> None:
     ax.set_title("prefix cache hit rate by round", fontsize=10)
     rate_by_round(ax, "prompt tokens found in cache (%)")
     ax.legend(fontsize=8)
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption(summaries.values()))
 
 
 TIER_ROWS = (
@@ -138,7 +138,7 @@ def plot_hit_rate_by_tier(summaries: dict[str, dict], path: Path) -> None:
     axes[0][0].set_ylabel("prompt tokens found in cache (%)")
     order = [name for _, name, _ in TIER_ROWS if name in drawn] + ["infinite cache (bound)"]
     axes[0][0].legend([drawn[n] for n in order], order, fontsize=7, loc="center right")
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption(summaries.values()))
 
 
 PREFETCH_COUNTERS = (  # (StorageTier.summary() key, what it counts)
@@ -190,4 +190,4 @@ def plot_prefetch_rate_limit(runs: dict[str, tuple[dict, dict]], path: Path) -> 
     for ax in (left, middle, right):
         ax.margins(y=0.15)
         ax.grid(alpha=0.3, axis="y")
-    save_figure(fig, path)
+    save_figure(fig, path, runs_caption(summary for summary, _ in runs.values()))

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.patches import Patch
 
-from .style import OTHER_COLORS
+from .style import OTHER_COLORS, save_figure
 from .sync_cost import SYNC_VARIANT_COLORS
 
 LOCKSTEP_VARIANTS = ("none", "relay", "all_reduce")
@@ -117,6 +117,7 @@ def _panel(ax, run: pd.DataFrame, pp: int, variant: str, window: tuple[float, fl
 def plot_lockstep(
     timeline: pd.DataFrame,
     path: Path,
+    caption: str,
     pp: int = 3,
     scenario: str = "slow_last",
     first_step: int = 3,
@@ -124,8 +125,8 @@ def plot_lockstep(
 ) -> pd.DataFrame:
     """A panel per variant of `LOCKSTEP_VARIANTS` (its median block), every stage's steps on a time axis: the
     same `span_ms` from the moment stage 0 starts timed step `first_step` (the steps are numbered as in the
-    timeline: step j of every stage carries the same micro-batch). Returns `lockstep_table`, the numbers in the
-    panels' titles."""
+    timeline: step j of every stage carries the same micro-batch), with the caption line `caption` (the
+    benchmark's: `sync_cost.agreement_caption`). Returns `lockstep_table`, the numbers in the panels' titles."""
     runs, table = _runs(timeline, pp, scenario), lockstep_table(timeline, pp, scenario)
     fig, axes = plt.subplots(
         len(runs), 1, figsize=(12.4, 1.4 + 0.55 * pp * len(runs)), sharex=True, layout="constrained"
@@ -153,7 +154,5 @@ def plot_lockstep(
         Patch(facecolor="white", ec="#bbbbbb", label="blank: ending the step (stage 0: waiting for the tokens)"),
     ]
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)  # not save_figure: its tight_layout would undo the legend's room
-    plt.close(fig)
+    save_figure(fig, path, caption, layout=False)  # laid out by matplotlib's constrained layout: the legend's room
     return table

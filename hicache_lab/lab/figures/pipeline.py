@@ -13,7 +13,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ...managers.step_trace import read_trace
 from .chain import crash_what
-from .style import OTHER_COLORS
+from .style import OTHER_COLORS, runs_caption, save_figure
 
 RANK_STYLES = (  # ranks' lines often coincide: each drawn narrower than the one before, on top of it
     {"color": OTHER_COLORS[3], "lw": 5.0, "alpha": 0.55},
@@ -150,9 +150,7 @@ def plot_queue_divergence(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
     axes[1][0].set_ylabel("rank's count − rank 0's")
     _ack_legend(fig, ranks_seen)
     fig.tight_layout(rect=(0, 0.09, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, runs_caption(summary for _, summary in runs.values()), layout=False)
 
 
 def digest_agreement(rows: list[dict]) -> tuple[list[int], list[int], list[list[float]]]:
@@ -202,6 +200,4 @@ def plot_digest_agreement(runs: dict[str, tuple[Path, dict]], path: Path) -> Non
     ]
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, runs_caption(summary for _, summary in runs.values()), layout=False)

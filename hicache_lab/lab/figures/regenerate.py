@@ -11,12 +11,14 @@ the benchmark CSV), into runs/figures; `--out figures` regenerates the committed
 * sync_cost.png           - bench/results/agreement_cost.csv (from `python -m bench.agreement_cost`), if present
 
 `--quick` uses a small workload (seconds, for CI), never into figures/; the committed figures use the demo's.
+`--format pdf|svg|png` and `--dpi N` (default 120) for a paper; every figure carries its caption line (style.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -31,10 +33,12 @@ from ..teach.tour import OneRank
 from .chain import chain_figure
 from .hit_rates import plot_hit_rate_by_tier, plot_hit_rates
 from .pipeline import plot_digest_agreement, plot_queue_divergence
-from .sync_cost import plot_sync_cost
-from .trees import TREE_LEAF_WIDTH, TREE_LEVEL_HEIGHT, draw_tree, tree_drawing, tree_legend
+from .style import DPI, FORMATS, save_figure
+from .sync_cost import agreement_caption, plot_sync_cost
+from .trees import TREE_LEAF_WIDTH, TREE_LEVEL_HEIGHT, draw_tree, tree_caption, tree_drawing, tree_legend
 
 SYNC_COST_CSV = BENCH_RESULTS / "agreement_cost.csv"
+DPI_RANGE = (50, 1200)
 COMMITTED = Path("figures")  # the README's figures, from the repository's root
 FILES = (
     "pp_queue_divergence.png",
@@ -60,32 +64,30 @@ def variant(base: RunConfig, pp: int = 1, sync: str = "fixed", **cache) -> RunCo
     )
 
 
-def pipeline_figures(base: RunConfig, runs_dir: Path, out: Path) -> None:
+def pipeline_figures(base: RunConfig, runs_dir: Path, paths: list[Path]) -> None:
     worlds = {}  # (pp, sync) -> (output dir, summary)
     for pp in (2, 3):
         for sync in ("legacy", "fixed"):
             cfg = variant(base, pp, sync, enable_hierarchical_cache=True)
             worlds[pp, sync] = (runs_dir / f"pp{pp}_{sync}", run_world(cfg, runs_dir / f"pp{pp}_{sync}", verbose=False))
     l1_only = run_world(variant(base, 2), runs_dir / "pp2_l1", verbose=False)
-    plot_queue_divergence({f"--pp 2 --sync {sync}": worlds[2, sync] for sync in ("legacy", "fixed")}, out / FILES[0])
+    plot_queue_divergence({f"--pp 2 --sync {sync}": worlds[2, sync] for sync in ("legacy", "fixed")}, paths[0])
     hit_rates = {"L1 only": l1_only, "L1 + L2, legacy sync": worlds[2, "legacy"][1]}
-    plot_hit_rates({**hit_rates, "L1 + L2, fixed sync": worlds[2, "fixed"][1]}, out / FILES[1])
-    plot_digest_agreement({f"--pp {pp} --sync {sync}": world for (pp, sync), world in worlds.items()}, out / FILES[2])
-    chain_figure(
-        *worlds[2, "legacy"], out / FILES[5], "--pp 2 --sync legacy: from an ack consumed on one stage to the crash"
-    )
+    plot_hit_rates({**hit_rates, "L1 + L2, fixed sync": worlds[2, "fixed"][1]}, paths[1])
+    plot_digest_agreement({f"--pp {pp} --sync {sync}": world for (pp, sync), world in worlds.items()}, paths[2])
+    chain_figure(*worlds[2, "legacy"], paths[5], "--pp 2 --sync legacy: from an ack consumed on one stage to the crash")
 
 
-def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dict]:
+def tier_figure(runs_dir: Path, path: Path, device: str = "cpu") -> dict[str, dict]:
     summaries = {
         label: run_world(tier_config(device, **cache), runs_dir / f"tier_{i}", verbose=False)
         for i, (label, cache) in enumerate(TIER_CACHES.items())
     }
-    plot_hit_rate_by_tier(summaries, out / FILES[3])
+    plot_hit_rate_by_tier(summaries, path)
     return summaries
 
 
-def tree_figure(out: Path) -> None:
+def tree_figure(path: Path) -> None:
     """Four moments of one rank's tree (lab.teach.tour.OneRank), each panel as wide as its tree."""
     rank = OneRank()
     a, b, c = list(range(100, 116)), list(range(100, 108)) + list(range(200, 208)), list(range(300, 324))
@@ -123,24 +125,23 @@ def tree_figure(out: Path) -> None:
             draw_tree(ax, drawing, title, legend=False)
             ax.set_ylim(-depth - 0.5, 0.35)  # one depth scale a row
     fig.legend(handles=tree_legend(), loc="outside lower center", ncol=2, fontsize=9, frameon=False)
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / FILES[4], dpi=120)
-    plt.close(fig)
+    workload = "requests A, B (sharing A's first 8 tokens), C, then A + 4 tokens, on one rank in this process"
+    save_figure(fig, path, tree_caption(rank.cfg, workload), layout=False)
 
 
-def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "cpu") -> list[Path]:
-    """Every figure into `out`; returns the paths written."""
+def make_figures(out: Path, runs_dir: Path, quick: bool = False, device: str = "cpu", fmt: str = "png") -> list[Path]:
+    """Every figure into `out` as `fmt` (png, pdf or svg); returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
-    base = base_config(quick)
-    base = dataclasses.replace(base, device=device)
-    pipeline_figures(base, runs_dir, out)
-    tier_figure(runs_dir, out, device)
-    tree_figure(out)
-    written = [out / name for name in FILES[:6]]
-    if SYNC_COST_CSV.exists():
-        plot_sync_cost(pd.read_csv(SYNC_COST_CSV), out / FILES[6])
-        written.append(out / FILES[6])
-    return written
+    paths = [out / Path(name).with_suffix(f".{fmt}") for name in FILES]
+    base = dataclasses.replace(base_config(quick), device=device)
+    pipeline_figures(base, runs_dir, paths)
+    tier_figure(runs_dir, paths[3], device)
+    tree_figure(paths[4])
+    if not SYNC_COST_CSV.exists():
+        return paths[:6]
+    report = json.loads(SYNC_COST_CSV.with_suffix(".json").read_text())
+    plot_sync_cost(pd.read_csv(SYNC_COST_CSV), paths[6], agreement_caption(report))
+    return paths
 
 
 def add_figures_flags(parser: argparse.ArgumentParser) -> None:
@@ -152,9 +153,20 @@ def add_figures_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", default="runs/figures", help="where their runs go (default: runs/figures)")
     parser.add_argument("--quick", action="store_true", help="a small workload: seconds instead of minutes")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    parser.add_argument("--format", default="png", help=f"{', '.join(FORMATS)} (default: png; pdf or svg for a paper)")
+    parser.add_argument(
+        "--dpi", type=int, default=DPI, help=f"resolution, dots per inch (default: {DPI}; 300 for print)"
+    )
 
 
 def cmd_figures(args: argparse.Namespace) -> int:
+    if args.format not in FORMATS:
+        raise ConfigError(f"figures --format {args.format}: the figures are written as {', '.join(FORMATS)}")
+    if not DPI_RANGE[0] <= args.dpi <= DPI_RANGE[1]:
+        raise ConfigError(
+            f"figures --dpi {args.dpi}: give dots per inch from {DPI_RANGE[0]} to {DPI_RANGE[1]} ({DPI}, the default, "
+            "for a screen; 300 for print)"
+        )
     check_writable_dir(args.out, "figures --out")  # before a minute of runs, not after
     check_writable_dir(args.runs, "figures --runs")
     if args.quick and Path(args.out).resolve() == COMMITTED.resolve():
@@ -162,7 +174,9 @@ def cmd_figures(args: argparse.Namespace) -> int:
             f"figures --quick --out {args.out}: the README describes the full workload's figures; "
             "give --quick another --out"
         )
-    for path in make_figures(Path(args.out), Path(args.runs), args.quick, args.device):
+    with plt.rc_context({"savefig.dpi": args.dpi}):  # style.save_figure writes at it
+        written = make_figures(Path(args.out), Path(args.runs), args.quick, args.device, args.format)
+    for path in written:
         print(f"wrote {path}")
     if not SYNC_COST_CSV.exists():
         print(f"skipped {FILES[6]}: no {SYNC_COST_CSV} (run python -m bench.agreement_cost)")

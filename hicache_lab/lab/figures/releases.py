@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import signal
 import textwrap
 from dataclasses import astuple
@@ -15,10 +16,11 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from ...errors import ConfigError
-from ..check.releases import WORLDS, format_table, run_cell
+from ...provenance import machine
+from ..check.releases import WORLDS, config, format_table, run_cell
 from ..presets import World
 from ..sglang import releases
-from .style import save_figure
+from .style import runs_caption, save_figure
 
 OUTCOME_COLORS = {
     "agreed": "#55a868",
@@ -33,7 +35,8 @@ OUTCOME_COLORS = {
 
 
 def plot_release_matrix(cells, worlds, path: Path) -> None:
-    """`cells` (check/releases.Cell) over `worlds`, one column per release, as a PNG at `path`."""
+    """`cells` (check/releases.Cell) over `worlds`, one column per release, into `path`; its caption line says
+    what the worlds share (each row's flags, its name says; each column's --cache-impl, its label)."""
     versions = list(dict.fromkeys(c.release for c in cells))
     by = {(c.release, c.world): c for c in cells}
     fig, ax = plt.subplots(figsize=(1.7 * len(versions) + 2.6, 0.85 * len(worlds) + 2.4))
@@ -64,7 +67,8 @@ def plot_release_matrix(cells, worlds, path: Path) -> None:
         frameon=False,
     )
     ax.set_title("SGLang's own HiCache in lab worlds, release by release", fontsize=10, pad=12)
-    save_figure(fig, path)
+    configs = [{"config": dataclasses.asdict(config(v, world))} for v in versions for world in worlds]
+    save_figure(fig, path, runs_caption(configs, machine()))
 
 
 def _column(version: str) -> str:

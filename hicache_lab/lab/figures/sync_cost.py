@@ -10,7 +10,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
-from .style import OTHER_COLORS, save_figure
+from .style import OTHER_COLORS, caption_line, save_figure
 
 SYNC_VARIANT_COLORS = {
     "none": OTHER_COLORS[0],
@@ -175,14 +175,14 @@ def _pipeline_panel(ax, pipe, scenario: str) -> None:
     ax.legend(fontsize=8, loc="upper left", ncol=2)
 
 
-def plot_sync_cost(results, path: Path) -> list[str]:
+def plot_sync_cost(results, path: Path, caption: str) -> list[str]:
     """From bench/agreement_cost.py's long table (part, pp, scenario, variant, rank, repeat, metric, value, ...),
     one panel per part it holds (a part the table lacks is left out, not drawn empty); medians with min-max bars.
     Part 1, the scheduler's mean step time by sync mode, per stage; part 2, the modelled pipeline: each stage's
     time in the agreement per step (equal stages), then the pipeline's step time by PP with equal stages and
     with a slow last stage (the lockstep a symmetric collective causes). Part 2's y axes are logarithmic and its
-    whiskers stop at CLIP x a panel's largest median (`_ceiling`; the title says so where one does). Returns the
-    panels drawn."""
+    whiskers stop at CLIP x a panel's largest median (`_ceiling`; the title says so where one does). `caption`:
+    the caption line (`agreement_caption` of the benchmark's JSON). Returns the panels drawn."""
     steps = results[(results["part"] == "step_time") & (results["metric"] == "mean_step_ms_common")]
     pipe = results[results["part"] == "pipeline"] if "scenario" in results.columns else results.iloc[:0]
     panels = (["step_time"] if len(steps) else []) + (["stages", "equal", "slow_last"] if len(pipe) else [])
@@ -199,5 +199,17 @@ def plot_sync_cost(results, path: Path) -> list[str]:
             _pipeline_panel(axes[scenario], pipe, scenario)
     for ax in axes.values():
         ax.grid(alpha=0.3, axis="y")
-    save_figure(fig, path)
+    save_figure(fig, path, caption)
     return panels
+
+
+def agreement_caption(report: dict) -> str:
+    """The caption line of bench/agreement_cost.py's figures, from its JSON report (agreement_cost.json)."""
+    a, m = report.get("args", {}), report.get("machine", {})
+    return caption_line(
+        f"part 1: {a.get('num_clients')} clients × {a.get('num_rounds')} rounds, {a.get('repeats')} repeats; part 2: "
+        f"a modelled pipeline, {a.get('steps')} steps of {a.get('stage_ms')} ms a stage, {a.get('blocks')} blocks",
+        f"part 1 --pp {a.get('pp')} --sync {'/'.join(a.get('sync_modes', []))}; part 2 PP "
+        + ",".join(map(str, a.get("pp_sizes", []))),
+        f"{m.get('processor', 'not recorded')}, {m.get('cpu_count')} CPUs, gloo, torch {m.get('torch')}",
+    )

@@ -4,6 +4,7 @@ with the fix, the counts stage 0 relayed at every step. All from the runs' step 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ...managers.step_trace import read_trace
-from .style import OTHER_COLORS, TIER_COLORS, save_figure
+from .style import OTHER_COLORS, TIER_COLORS, runs_caption, save_figure
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ def plot_copy_timeline(runs: dict[str, Path], path: Path, pp: int = 2) -> dict[s
     axes[-1, 0].legend(
         handles, names, loc="upper center", ncol=2, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.35)
     )
-    save_figure(fig, path)
+    save_figure(
+        fig, path, runs_caption(json.loads((run_dir / "summary.json").read_text()) for run_dir in runs.values())
+    )
     return lives
 
 

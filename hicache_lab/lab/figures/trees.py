@@ -1,14 +1,18 @@
 """One rank's radix tree, root at the top: one box per node in the colour of its tiers, with its first tokens,
-its length and its lock (`tree_drawing` takes a snapshot, `draw_tree` draws one, `plot_tree` sizes a figure)."""
+its length and its lock (`tree_drawing` takes a snapshot, `draw_tree` draws one, `plot_tree` sizes a figure;
+`tree_caption`, the caption line of a tree of one rank in this process)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
-from .style import BOTH_TIERS_COLOR, TIER_COLORS
+from ...config import CacheConfig
+from ...provenance import machine
+from .style import BOTH_TIERS_COLOR, TIER_COLORS, add_caption, caption_line, flags_beyond_defaults
 
 NODE_COLORS = {"device": TIER_COLORS["device"], "device+host": BOTH_TIERS_COLOR, "host": TIER_COLORS["host"]}
 NODE_LEGEND = {
@@ -91,10 +95,18 @@ def tree_legend() -> list[Patch]:
     return [*handles, Patch(fc="white", ec="black", lw=3, label="bold edge: locked (lock_ref > 0), not evictable")]
 
 
-def plot_tree(tree, title: str = "", legend: bool = True):
-    """A figure sized to the tree with `draw_tree` in it (for a notebook: show it, or `style.save_figure` it)."""
+def plot_tree(tree, title: str = "", legend: bool = True, *, caption: str):
+    """A figure sized to the tree with `draw_tree` in it and the caption line `caption` (`tree_caption`) under it,
+    for a notebook to show."""
     drawing = tree if isinstance(tree, TreeDrawing) else tree_drawing(tree)
     fig, ax = plt.subplots(figsize=tree_figsize(drawing, legend))
     draw_tree(ax, drawing, title, legend)
     fig.tight_layout()
+    add_caption(fig, caption)
     return fig
+
+
+def tree_caption(cache: CacheConfig, workload: str) -> str:
+    """The caption line of a tree of one rank in this process (teach.tour.OneRank): `workload`, in words."""
+    flags = " ".join(flags_beyond_defaults({"cache": dataclasses.asdict(cache)}))
+    return caption_line(workload, flags, machine())
