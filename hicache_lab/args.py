@@ -142,6 +142,13 @@ FLAGS = [
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
     ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see mooncake_trace.py)"),
     ("--trace-block-tokens", "workload", "trace_block_tokens", int, "lab tokens per trace hash id (Mooncake: 512)"),
+    (
+        "--mooncake-slowdown-factor",
+        "workload",
+        "mooncake_slowdown_factor",
+        finite_float,
+        "x trace times (0.5: 2x rate)",
+    ),
     ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
     ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),
@@ -171,6 +178,7 @@ DP_ATTENTION_HELP = (
 SWITCHES = [
     ("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", bool, _switch("add the host tier (L2)")),
     ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
+    ("--use-trace-timestamps", "workload.use_trace_timestamps", bool, _switch("replay --trace-file at its times")),
     ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
     ("--device", "device", str, {"default": "cpu", "help": "cpu (gloo) or cuda (NCCL, CUDA streams) (default: cpu)"}),
