@@ -37,8 +37,7 @@ import torch.distributed as dist
 
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import Groups, group_rank_and_size, isend, recv
-from ..mem_cache.memory_pool import DeviceKVPool
-from ..mem_cache.memory_pool import kv_bytes_per_token
+from ..mem_cache.memory_pool import DeviceKVPool, kv_bytes_per_token
 from ..model import TinyModel
 from .latency_model import LatencyModel, ModelledClock
 from .schedule_batch import Batch, Req

@@ -9,7 +9,8 @@ r+1 starts only when every client's round-r answer is done, which makes per-roun
 `num_rounds` windows of equal count that play the part of rounds (with the barrier; without it, the whole trace
 arrives at once). With `use_trace_timestamps` each request arrives at its own time on stage 0's modelled clock
 (`latency_model.ModelledClock`), its time from the trace's first times `mooncake_slowdown_factor` (as SGLang's
-bench_serving); the windows then only group requests for the table. `InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
+bench_serving); the windows then only group requests for the table. `InfiniteCache` measures the upper bound: the
+prefix an unbounded cache would have matched.
 `Feeder` is the one place requests come from (pipeline stage 0 hands them down to the other stages).
 """
 
