@@ -29,6 +29,7 @@ from .config import (
     WorkloadConfig,
 )
 from .parallel_config import PROPOSALS, SYNC_FIXES, SYNC_MODES, ParallelConfig
+from .workload_files import DISTRIBUTIONS
 
 
 def finite_float(text: str) -> float:
@@ -54,6 +55,9 @@ def _switch(help_text: str) -> dict:
     return {"action": "store_true", "help": help_text}
 
 
+DIST_HELP = "constant (the length flag), or drawn from --seed, each draw at most MAX: " + ", ".join(
+    f"{kind}:{first}:MAX" for kind, (first, _, _) in DISTRIBUTIONS.items()
+)
 # (flag, config section, field, type, help); defaults come from the dataclasses.
 FLAGS = [
     ("--num-layers", "model", "num_layers", int, "transformer layers"),
@@ -142,13 +146,12 @@ FLAGS = [
     ("--seed", "workload", "seed", int, "seed of the workload and of the copy latencies"),
     ("--trace-file", "workload", "trace_file", str, "replay a Mooncake JSONL trace instead (see mooncake_trace.py)"),
     ("--trace-block-tokens", "workload", "trace_block_tokens", int, "lab tokens per trace hash id (Mooncake: 512)"),
-    (
-        "--mooncake-slowdown-factor",
-        "workload",
-        "mooncake_slowdown_factor",
-        finite_float,
-        "x trace times (0.5: 2x rate)",
-    ),
+    ("--request-length-dist", "workload", "request_length_dist", str, f"an opening's length (per client): {DIST_HELP}"),
+    ("--sub-question-input-length-dist", "workload", "sub_question_input_length_dist", str, f"per turn: {DIST_HELP}"),
+    ("--output-length-dist", "workload", "output_length_dist", str, f"an answer's length (per turn): {DIST_HELP}"),
+    ("--conversation-file", "workload", "conversation_file", str, "play ShareGPT-style JSON conversations instead"),
+    ("--requests-file", "workload", "requests_file", str, "replay a run's requests.jsonl instead"),
+    ("--mooncake-slowdown-factor", "workload", "mooncake_slowdown_factor", finite_float, "x arrival times (0.5: 2x)"),
     ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
     ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),

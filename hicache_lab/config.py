@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from .errors import require, require_choice, require_numbers, require_seed
 from .mooncake_trace import trace_lengths
 from .parallel_config import ParallelConfig
+from .workload_files import LengthDist, parse_length_dist, read_conversations, read_recorded_requests
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HOST_LAYOUTS = ("layer_first", "page_first")
@@ -25,6 +26,7 @@ DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --
 # A DMA staging chunk (mem_cache/staging_ring.py): K and V of several runs of 4 MiB or more, so that few runs are
 # cut in two; each rank keeps 4 chunks per direction on the device (256 MiB in all).
 DMA_CHUNK_MIB = 32
+LENGTHS = ("request_length", "sub_question_input_length", "output_length")  # each with a distribution (`_dist`)
 
 
 @dataclass(slots=True)
@@ -202,6 +204,11 @@ class WorkloadConfig:
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
     use_trace_timestamps: bool = False  # arrivals at the trace's own times on the modelled clock (bench_serving's)
     mooncake_slowdown_factor: float = 1.0  # x the trace's times: 0.5 replays it at twice its rate (bench_serving's)
+    request_length_dist: str = "constant"  # or a distribution, e.g. uniform:64:256 (workload_files.py)
+    sub_question_input_length_dist: str = "constant"
+    output_length_dist: str = "constant"
+    conversation_file: str = ""  # ShareGPT-style JSON conversations instead (workload_files.py)
+    requests_file: str = ""  # a run's requests.jsonl, replayed (workload_files.py)
 
     def __post_init__(self) -> None:
         require_numbers(self)
@@ -219,9 +226,30 @@ class WorkloadConfig:
             self.use_trace_timestamps or self.mooncake_slowdown_factor == 1,
             "--mooncake-slowdown-factor scales the arrival times that only --use-trace-timestamps follows: add it",
         )
+        self.lengths()  # each distribution's grammar
+        require(" and " not in self.source, f"{self.source}: give one workload file")
         if self.trace_file:
             windows, requests = self.trace_windows(), len(self._trace_lengths())
             require(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
+        held = len(read_conversations(self.conversation_file)) if self.conversation_file else self.num_clients
+        require(
+            held >= self.num_clients,
+            f"{self.source} holds {held} conversations, fewer than --num-clients {self.num_clients}: give "
+            f"--num-clients {held} or fewer",
+        )
+        last = max(r.round for r in read_recorded_requests(self.requests_file)) if self.requests_file else -1
+        require(
+            not self.round_barrier or last < self.num_rounds,
+            f"{self.source} holds round {last}: give --num-rounds {last + 1} (or --no-round-barrier)",
+        )
+
+    @property
+    def source(self) -> str:
+        """The workload's file, as its flag and path (`--trace-file FILE`, ...); empty for the synthetic one."""
+        files = ("trace_file", "conversation_file", "requests_file")
+        return " and ".join(
+            f"--{name.replace('_', '-')} {getattr(self, name)}" for name in files if getattr(self, name)
+        )
 
     def trace_windows(self) -> int:
         """Windows of equal count a trace splits into: rounds with the barrier or timed replay; else one."""
@@ -231,12 +259,31 @@ class WorkloadConfig:
         """(line, tokens of KV) of every request of the trace."""
         return trace_lengths(self.trace_file, self.trace_block_tokens, self.output_length)
 
+    def lengths(self) -> tuple[LengthDist, LengthDist, LengthDist]:
+        """The synthetic conversations' distributions of opening, sub-question and answer lengths."""
+        return tuple(
+            parse_length_dist(getattr(self, f"{n}_dist"), f"--{n.replace('_', '-')}-dist", getattr(self, n))
+            for n in LENGTHS
+        )
+
+    def request_sizes(self) -> list[tuple[str, int, int]]:
+        """(where in `source`: line or record, tokens of KV, answer tokens) of every request, at most, known before
+        a token is drawn."""
+        if self.trace_file:
+            return [(f":{n}", tokens, self.output_length) for n, tokens in self._trace_lengths()]
+        if self.conversation_file:
+            played = enumerate(read_conversations(self.conversation_file)[: self.num_clients])
+            return [(f" [{i}]", *size) for i, c in played for size in c.sizes(self.num_rounds, self.output_length)]
+        if self.requests_file:
+            recorded = read_recorded_requests(self.requests_file)
+            return [(f":{r.number}", len(r.prompt) + r.max_new_tokens, r.max_new_tokens) for r in recorded]
+        opening, question, answer = (d.most for d in self.lengths())
+        longest = opening + (self.num_rounds - 1) * (answer + question) + answer
+        return [("", longest, answer)] * (self.num_clients * self.num_rounds)
+
     def longest_sequence(self) -> int:
         """Tokens of KV held by the longest request: with conversations, the last round's prompt plus output."""
-        if self.trace_file:
-            return max(tokens for _, tokens in self._trace_lengths())
-        per_round = self.output_length + self.sub_question_input_length
-        return self.request_length + (self.num_rounds - 1) * per_round + self.output_length
+        return max(tokens for _, tokens, _ in self.request_sizes())
 
 
 # The words of the lab's fields, which their binders parse and check before any rank starts.
@@ -292,20 +339,23 @@ class RunConfig:
 
     def _check_fits(self) -> None:
         """The sections against each other: the workload fits the pools, the layers the stages, and so on."""
-        longest, w = self.workload.longest_sequence(), self.workload
-        if w.trace_file:  # name the longest line, before a rank draws its tokens
-            number, tokens = max(w._trace_lengths(), key=lambda line: line[1])
+        w = self.workload
+        where, longest, _ = max(w.request_sizes(), key=lambda size: size[1])  # named before a rank draws a token
+        m = self.cache.max_total_tokens
+        says = f"--max-total-tokens {m} cannot hold one request of the workload ({longest} tokens plus a page)"
+        if w.source:
+            says = f"{w.source}{where}: its request holds {longest} tokens of KV (prompt and output), more than "
+            says += f"--max-total-tokens {m} holds with a page to spare"
+        shorten = "--trace-block-tokens" if w.trace_file else "--num-rounds" if w.conversation_file else ""
+        fix = f", or lower {shorten}" if shorten else "" if w.requests_file else ", or shorten the conversation"
+        require(m > longest + self.cache.page_size, f"{says}: raise it{fix}")
+        if w.requests_file:
+            high = max(read_recorded_requests(w.requests_file), key=lambda r: max(r.prompt))
             require(
-                self.cache.max_total_tokens > tokens + self.cache.page_size,
-                f"--trace-file {w.trace_file}:{number}: its request holds {tokens} tokens of KV (prompt and output at "
-                f"--trace-block-tokens {w.trace_block_tokens} per hash id), more than --max-total-tokens "
-                f"{self.cache.max_total_tokens} holds with a page to spare: raise it, or lower --trace-block-tokens",
+                max(high.prompt) < self.model.vocab_size,
+                f"{w.source}:{high.number}: token {max(high.prompt)} is past --vocab-size {self.model.vocab_size}: "
+                "replay with the --vocab-size of the run that wrote it",
             )
-        require(
-            self.cache.max_total_tokens > longest + self.cache.page_size,
-            f"--max-total-tokens {self.cache.max_total_tokens} cannot hold one request of the workload "
-            f"({longest} tokens plus a page): raise it, or shorten the conversation",
-        )
         require(
             self.model.num_layers >= self.parallel.pp,
             f"--pp {self.parallel.pp} needs at least as many layers (--num-layers {self.model.num_layers})",

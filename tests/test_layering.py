@@ -17,6 +17,7 @@ LAYERS = (  # bottom up
     "errors",
     "jsonl",
     "mooncake_trace",
+    "workload_files",
     "parallel_config",
     "config",
     "provenance",

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ..args import FIELD_FLAGS
-from ..config import CacheConfig, RunConfig
+from ..config import LENGTHS, CacheConfig, RunConfig
 from ..distributed.parallel_state import stage_layers
 from ..errors import ConfigError
 from ..mem_cache.memory_pool import PageAllocator, kv_bytes_per_token, torch_dtype
@@ -173,6 +173,11 @@ IDLE_UNLESS = (  # (fields, whether they can act, why they cannot: what follows 
     (("cache.dma_chunk_mib",), lambda c: uses_staging_ring(c),
      "without --device cuda, --enable-hierarchical-cache and --hicache-mem-layout page_first"),
     (("workload.trace_block_tokens",), lambda c: bool(c.workload.trace_file), "without --trace-file"),
+    (tuple(f"workload.{n}_dist" for n in LENGTHS), lambda c: not c.workload.source, "beside a workload file"),
+    (("workload.request_length", "workload.sub_question_input_length", "workload.output_length"),
+     lambda c: not c.workload.requests_file, "beside --requests-file, which gives every request"),
+    (("workload.request_length", "workload.sub_question_input_length"), lambda c: not c.workload.conversation_file,
+     "beside --conversation-file, which gives every prompt"),
     (("parallel.pp_async_batch_depth",), lambda c: c.parallel.pp > 1, "without --pp 2 or more"),
     (("lab.dp_attention",), lambda c: c.lab.cache_impl != "lab",
      "with the lab's cache (it chooses the TP group SGLang's scheduler gives SGLang's cache: --cache-impl sglang*)"),
@@ -219,12 +224,7 @@ def steps_bound(cfg: RunConfig) -> int | None:
     c, w, p = cfg.cache, cfg.workload, cfg.parallel
     if c.latency != "virtual" or not w.ignore_eos:
         return None
-    if w.trace_file:
-        lengths = [tokens for _, tokens in w._trace_lengths()]
-        outputs = lengths  # a trace request's output is part of its tokens
-    else:
-        lengths = [w.longest_sequence()] * (w.num_clients * w.num_rounds)
-        outputs = [w.output_length] * len(lengths)
+    _, lengths, outputs = zip(*w.request_sizes(), strict=True)
     chunk = cfg.scheduler.chunk_size or max(lengths)
     waits = 2 * c.max_copy_delay_steps + c.prefetch_timeout_steps + p.micro_batches
     busy = sum((-(-n // chunk) + out) * p.micro_batches + waits for n, out in zip(lengths, outputs, strict=True))
@@ -252,13 +252,12 @@ def memory_needed(cfg: RunConfig) -> dict[str, tuple[float, str, bool]]:
     weights = ranks * TinyModel.weight_bytes(m, layers, p.tp)
     weights += stage * TinyModel.weight_bytes(m, m.num_layers) if cfg.check_outputs else 0  # the oracle's models
     v = m.vocab_size
-    lengths = [n for _, n in w._trace_lengths()] if w.trace_file else [w.longest_sequence()]
-    requests = len(lengths) if w.trace_file else w.num_clients * w.num_rounds
-    longest, chunk = max(lengths), min(cfg.scheduler.chunk_size or max(lengths), max(lengths))
+    _, lengths, outputs = zip(*w.request_sizes(), strict=True)
+    requests, longest, chunk = len(lengths), max(lengths), min(cfg.scheduler.chunk_size or max(lengths), max(lengths))
     token_bytes = 8 if v <= 256 else 36  # a list entry, and past the small-int cache an int object
-    logits, tokens = stage * requests * w.output_length * v * 4, stage * 2 * requests * longest * token_bytes
+    logits, tokens = stage * sum(outputs) * v * 4, stage * 2 * requests * longest * token_bytes
     host_flag = "--hicache-size" if c.hicache_size_gb > 0 else "--hicache-ratio (x --max-total-tokens) or --num-layers"
-    requests_flag = "the trace's requests" if w.trace_file else "--num-clients x --num-rounds"
+    requests_flag = f"the requests of {w.source}" if w.source else "--num-clients x --num-rounds"
     return {
         "device KV pools": (ranks * c.max_total_tokens * kv, "--max-total-tokens or --num-layers", True),
         "host KV pools": (ranks * host, host_flag, False),

@@ -2,15 +2,17 @@
 
 Client c opens with `request_length` random tokens; in round r > 0 its prompt is its whole history (every
 earlier prompt and answer) plus a fresh sub-question of `sub_question_input_length` tokens, and the model
-answers with `output_length` tokens. With the round barrier (the default, as `--enable-round-barrier`), round
+answers with `output_length` tokens (each length constant, or drawn per client or turn from its distribution:
+`--request-length-dist` and its kin). With the round barrier (the default, as `--enable-round-barrier`), round
 r+1 starts only when every client's round-r answer is done, which makes per-round hit rates comparable.
 
 `MooncakeWorkload` replays a Mooncake trace instead (`mooncake_trace.py`): requests in timestamp order, split into
 `num_rounds` windows of equal count that play the part of rounds (with the barrier; without it, the whole trace
 arrives at once). With `use_trace_timestamps` each request arrives at its own time on stage 0's modelled clock
 (`latency_model.ModelledClock`), its time from the trace's first times `mooncake_slowdown_factor` (as SGLang's
-bench_serving); the windows then only group requests for the table. `InfiniteCache` measures the upper bound: the
-prefix an unbounded cache would have matched.
+bench_serving); the windows then only group requests for the table. `ConversationWorkload` plays conversations
+from a file, a client per record and a round per human turn; `ReplayWorkload` replays a run's requests.jsonl
+(`workload_files.py`). `InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
 `Feeder` is the one place requests come from (pipeline stage 0 hands them down to the other stages).
 """
 
@@ -23,6 +25,7 @@ import numpy as np
 from ..config import WorkloadConfig
 from ..mem_cache.utils import match_key, page_hashes, whole_pages
 from ..mooncake_trace import read_mooncake_trace
+from ..workload_files import RecordedRequest, read_conversations, read_recorded_requests, text_tokens
 from .latency_model import ModelledClock
 from .schedule_batch import Req
 
@@ -30,14 +33,19 @@ from .schedule_batch import Req
 class MultiTurnWorkload:
     def __init__(self, cfg: WorkloadConfig, vocab_size: int):
         self.cfg = cfg
-        rng = np.random.default_rng(cfg.seed)
-        self.openings = [rng.integers(0, vocab_size, cfg.request_length).tolist() for _ in range(cfg.num_clients)]
-        self.questions = [
-            [rng.integers(0, vocab_size, cfg.sub_question_input_length).tolist() for _ in range(cfg.num_rounds)]
-            for _ in range(cfg.num_clients)
-        ]
-        self.history: list[list[int]] = [[] for _ in range(cfg.num_clients)]
+        self.openings, self.questions, self.answers = self.turns(vocab_size)
+        self.history: list[list[int]] = [[] for _ in self.openings]
         self._next_rid = 0
+
+    def turns(self, vocab_size: int) -> tuple[list[list[int]], list[list[list[int]]], list[list[int]]]:
+        """Each client's opening, its sub-question of each round (round 0's unused) and its answer length in each
+        round: tokens drawn from --seed, their lengths from each length's distribution (another stream of it)."""
+        cfg, rng, lengths = self.cfg, np.random.default_rng(self.cfg.seed), np.random.default_rng([self.cfg.seed, 1])
+        opening, question, answer = cfg.lengths()
+        shape = (cfg.num_clients, cfg.num_rounds)
+        openings = [rng.integers(0, vocab_size, n).tolist() for n in opening.draw(lengths, shape[:1])]
+        questions = [[rng.integers(0, vocab_size, n).tolist() for n in row] for row in question.draw(lengths, shape)]
+        return openings, questions, answer.draw(lengths, shape).tolist()
 
     def request(self, client: int, round_: int) -> Req:
         prompt = self.openings[client] if round_ == 0 else self.history[client] + self.questions[client][round_]
@@ -46,7 +54,7 @@ class MultiTurnWorkload:
             client,
             round_,
             list(prompt),
-            self.cfg.output_length,
+            self.answers[client][round_],
             ignore_eos=self.cfg.ignore_eos,
             arrival=time.perf_counter(),
         )
@@ -54,14 +62,57 @@ class MultiTurnWorkload:
         return req
 
     def round_requests(self, round_: int) -> list[Req]:
-        return [self.request(c, round_) for c in range(self.cfg.num_clients)]
+        return [self.request(c, round_) for c, answers in enumerate(self.answers) if round_ < len(answers)]
 
     def next_turn(self, req: Req) -> Req | None:
         """Without the round barrier: the client's next turn, due as soon as `req` is answered."""
-        return self.request(req.client, req.round + 1) if req.round + 1 < self.cfg.num_rounds else None
+        return self.request(req.client, req.round + 1) if req.round + 1 < len(self.answers[req.client]) else None
 
     def answered(self, req: Req) -> None:
         self.history[req.client] = req.prompt + req.output
+
+
+class ConversationWorkload(MultiTurnWorkload):
+    """Conversations from a file (`workload_files.py`): client c plays record c, a round per human turn (at most
+    --num-rounds), its text as tokens; a client whose record has fewer turns ends early."""
+
+    def turns(self, vocab_size: int) -> tuple[list[list[int]], list[list[list[int]]], list[list[int]]]:
+        cfg, played = self.cfg, read_conversations(self.cfg.conversation_file)[: self.cfg.num_clients]
+        openings = [text_tokens(c.system + c.turns[0][0], vocab_size) for c in played]
+        questions = [[text_tokens(human, vocab_size) for human, _ in c.turns] for c in played]
+        return openings, questions, [[n for _, n in c.sizes(cfg.num_rounds, cfg.output_length)] for c in played]
+
+
+class ReplayWorkload:
+    """A run's requests.jsonl (`workload_files.py`), each prompt as recorded: with the round barrier, round by
+    round in the file's order; without it, each client's first request at once and each next one as the one
+    before it is answered. The same flags and seed give the run that wrote it again."""
+
+    def __init__(self, cfg: WorkloadConfig, vocab_size: int):
+        self.cfg = cfg
+        self.recorded = read_recorded_requests(cfg.requests_file)
+        self.following: dict[int, RecordedRequest] = {}  # rid -> its client's next request
+        last: dict[int, RecordedRequest] = {}
+        for r in self.recorded:
+            if r.client in last:
+                self.following[last[r.client].rid] = r
+            last[r.client] = r
+        later = {r.rid for r in self.following.values()}
+        self.firsts = [r for r in self.recorded if r.rid not in later]
+
+    def _req(self, r: RecordedRequest) -> Req:
+        return Req(r.rid, r.client, r.round, list(r.prompt), r.max_new_tokens, self.cfg.ignore_eos, time.perf_counter())
+
+    def round_requests(self, round_: int) -> list[Req]:
+        if not self.cfg.round_barrier:
+            return [self._req(r) for r in self.firsts] if round_ == 0 else []
+        return [self._req(r) for r in self.recorded if r.round == round_]
+
+    def next_turn(self, req: Req) -> Req | None:
+        return self._req(self.following[req.rid]) if req.rid in self.following else None
+
+    def answered(self, req: Req) -> None:
+        pass
 
 
 class MooncakeWorkload:
@@ -104,8 +155,15 @@ class MooncakeWorkload:
         pass
 
 
-def make_workload(cfg: WorkloadConfig, vocab_size: int) -> MultiTurnWorkload | MooncakeWorkload:
-    return MooncakeWorkload(cfg, vocab_size) if cfg.trace_file else MultiTurnWorkload(cfg, vocab_size)
+Workload = MultiTurnWorkload | ReplayWorkload | MooncakeWorkload
+
+
+def make_workload(cfg: WorkloadConfig, vocab_size: int) -> Workload:
+    if cfg.trace_file:
+        return MooncakeWorkload(cfg, vocab_size)
+    if cfg.conversation_file:
+        return ConversationWorkload(cfg, vocab_size)
+    return ReplayWorkload(cfg, vocab_size) if cfg.requests_file else MultiTurnWorkload(cfg, vocab_size)
 
 
 class InfiniteCache:
@@ -139,7 +197,7 @@ class Feeder:
     a request arrives once the modelled clock reaches its time, and when nothing runs the clock moves on to it.
     """
 
-    def __init__(self, workload: MultiTurnWorkload | MooncakeWorkload, page_size: int, prior=frozenset()):
+    def __init__(self, workload: Workload, page_size: int, prior=frozenset()):
         self.workload, self.cfg = workload, workload.cfg
         self.timed = workload.cfg.use_trace_timestamps
         self.barrier = workload.cfg.round_barrier and not self.timed

@@ -86,7 +86,7 @@ def tier_figure(runs_dir: Path, out: Path, device: str = "cpu") -> dict[str, dic
 
 
 def tree_figure(out: Path) -> None:
-    """Four moments of one rank's tree (lab.tour.OneRank), each panel as wide as its tree."""
+    """Four moments of one rank's tree (lab.teach.tour.OneRank), each panel as wide as its tree."""
     rank = OneRank()
     a, b, c = list(range(100, 116)), list(range(100, 108)) + list(range(200, 208)), list(range(300, 324))
     panels = []  # (title, drawing): the tree keeps changing, so each moment is drawn from a snapshot

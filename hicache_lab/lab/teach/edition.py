@@ -1,7 +1,7 @@
-"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it for a graded session, without
-`teaching/` (the exercise's answers, the catalogue of wrong ones, the homework's answers).
-
-Everything else is as committed: no document on the student path holds an answer (tests/lab/test_student_path.py
+"""`python -m hicache_lab student-edition DIR`: the repository as a student gets it for a graded session, as a git
+repository of one commit, without `teaching/` (the exercise's answers, the catalogue of wrong ones, the homework's
+answers), the session path's notebooks (`CLEARED`) without their outputs (a prediction comes before its run) and
+set for class (`IN_CLASS = True`). No document on the student path holds an answer (tests/lab/test_student_path.py
 checks it), and the tests that need `teaching/` skip in the edition, saying why. What a student edition cannot
 hide is the package's own source, which holds the lab's answers (`CLOSED`): docs/lab_session.md asks students to
 keep it closed until their three functions pass.
@@ -14,10 +14,13 @@ import contextlib
 import errno
 import io
 import os
+import re
 import shutil
 import subprocess
 import tarfile
 from pathlib import Path
+
+import nbformat
 
 from ...entrypoints.outdir import OutputError
 from ...entrypoints.preflight import check_writable_dir
@@ -29,12 +32,14 @@ CLOSED = (  # where the lab's own answers to notebook 06 are, in the package's s
     "hicache_lab/distributed/cache_sync.py (CacheSync._pp_sync, CacheSync._attn_groups)",
     "hicache_lab/mem_cache/hiradix_cache.py (HiRadixCache.writing_check)",
 )
+CLEARED = ("notebooks/01_hicache_tour.ipynb", "notebooks/02_pp_queue_divergence.ipynb", "notebooks/06_exercises.ipynb")
+AUTHOR = ("-c", "user.name=hicache_lab student-edition", "-c", "user.email=student-edition@hicache-lab.invalid")
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # a disk that filled (or a limit reached) as the edition was written
 
 
-def git(*args: str) -> subprocess.CompletedProcess:
+def git(*args: str, where: Path = ROOT) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, timeout=120)
+        return subprocess.run(["git", "-C", str(where), *args], capture_output=True, timeout=120)
     except FileNotFoundError:
         raise ConfigError(
             "student-edition cuts the edition with git, and there is no git on PATH: install git, or add its "
@@ -76,8 +81,8 @@ def check_target(out: Path) -> None:
 
 
 def make_edition(out: Path) -> list[str]:
-    """Write HEAD's tree, less `teaching/`, into `out` (absent or empty). Returns the paths written. Where it
-    cannot be written whole, what was written is removed (a rerun then starts on a new or empty directory)."""
+    """Write HEAD's tree, less `teaching/`, into `out` (absent or empty) and commit it there. Returns the paths
+    written. Where it cannot be written whole, what was written is removed (a rerun starts on an empty directory)."""
     check_checkout()
     out = Path(out)
     check_target(out)
@@ -94,9 +99,15 @@ def make_edition(out: Path) -> list[str]:
             # before 3.11.4 has no extraction filter)
             for member in tar:
                 tar.extract(member, out, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+            for path in CLEARED:  # as a student gets it (`member`: where a full disk would have stopped it)
+                member = tar.getmember(path)
+                for_class(out / path)
+            commit(out)
             return [m.name for m in tar.getmembers() if m.isfile()]
-    except OSError as exc:
+    except (ConfigError, OSError) as exc:
         _remove(out, made)
+        if isinstance(exc, ConfigError):  # from git
+            raise
         where = f" at {member.name}" if member is not None else ""
         if exc.errno in FULL:
             raise OutputError(
@@ -104,6 +115,26 @@ def make_edition(out: Path) -> list[str]:
                 "make room on its disk (or lift the file-size limit, ulimit -f) and run it again"
             ) from None
         raise ConfigError(f"cannot write into {out}{where}: {exc.strerror}: give a directory you can write") from None
+
+
+def for_class(path: Path) -> None:
+    """The notebook at `path` without outputs, execution counts or timings, its parameter `IN_CLASS` True."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+            cell.metadata.pop("execution", None)
+            cell.source = re.sub(r"^IN_CLASS = False\b", "IN_CLASS = True", cell.source, flags=re.M)
+    nbformat.write(nb, path)
+
+
+def commit(out: Path) -> None:
+    """Make `out` a git repository of one commit, by a fixed author (no git identity need be configured)."""
+    record = (*AUTHOR, "-c", "commit.gpgsign=false", "commit", "-q", "--no-verify", "-m", "Student edition")
+    for step in (("init", "-q"), ("add", "-A"), record):
+        done = git("-c", "init.defaultBranch=main", *step, where=out)
+        if done.returncode != 0:
+            raise ConfigError(f"git could not commit in {out}: {done.stderr.decode(errors='replace').strip()!r}")
 
 
 def _remove(out: Path, made: Path | None) -> None:
@@ -126,7 +157,8 @@ def add_edition_flags(parser: argparse.ArgumentParser) -> None:
 def cmd_edition(args: argparse.Namespace) -> int:
     files = make_edition(Path(args.out))
     changed = git("status", "--porcelain", "--untracked-files=no").stdout.decode().strip()
-    print(f"{args.out}: {len(files)} files of HEAD, without {LEFT_OUT}/")
+    cleared = "".join(f"\n  {path}" for path in CLEARED)
+    print(f"{args.out}: a git repository of {len(files)} files of HEAD, without {LEFT_OUT}/; no outputs in:{cleared}")
     if changed:
         print("(uncommitted changes are not in it: commit them and cut it again)")
     print("Ask students to keep closed until their functions pass:", *CLOSED, sep="\n  ")
