@@ -51,7 +51,7 @@ def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
 
 
 def format_table(rows: list[dict], wall_clock: bool = True) -> str:
-    """The round table: TTFT and step time as modelled (ms on an H200), then (`wall_clock`) this machine's."""
+    """The round table: TTFT and step time as modelled (managers/latency_model.py), then (`wall_clock`) timed."""
     head = f"{'round':>5} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>7} {'hit':>6} {'bound':>6} "
     lines = [head + f"{'model_ttft':>10} {'model_step':>10}" + wall_clock * f" {'wall_ttft':>9} {'wall_step':>9}"]
     for r in rows:

@@ -1,4 +1,4 @@
-"""A modelled step time and TTFT: what a step did, costed as on one H200, deterministic for a seed.
+"""A modelled step time and TTFT: what a step did, costed on the GPU that BENCHMARKS.md measures; deterministic.
 
 Wall-clock `ttft_ms` on a laptop measures the laptop. The lab instead keeps a modelled clock per stage
 (`ModelledClock`): each step advances it by `LatencyModel.step_ms` of what the step did, and a request's modelled
@@ -26,8 +26,8 @@ from ..config import ModelConfig
 
 
 @dataclass(frozen=True)
-class H200Costs:
-    """One H200's costs for the lab's fp32 model; each from the BENCHMARKS.md row named beside it."""
+class GpuCosts:
+    """The costs of the GPU that BENCHMARKS.md measures, for the lab's fp32 model; each from the row named beside it."""
 
     # "Layer-wise load overlap", column "compute (prefix on device)": 512 new tokens over prefixes of 1,024-8,192
     # tokens (27.6, 32.2, 38.5, 53.1 ms), fitted as tokens x linear + pairs x attention: 45.9 us per token of the
@@ -52,7 +52,7 @@ class LatencyModel:
     weights: int  # weights of the stage's layers on this rank (attention and MLP; TP shares)
     attention_width: int  # layers x this rank's share of the hidden size
     kv_bytes_per_token: int  # this rank's pool: its layers and heads
-    costs: H200Costs = H200Costs()
+    costs: GpuCosts = GpuCosts()
 
     @classmethod
     def of_stage(cls, model: ModelConfig, layers: int, tp: int, kv_bytes_per_token: int) -> LatencyModel:

@@ -9,7 +9,7 @@ import pytest
 
 from hicache_lab.config import ModelConfig, WorkloadConfig
 from hicache_lab.errors import ConfigError
-from hicache_lab.managers.latency_model import H200Costs, LatencyModel, ModelledClock
+from hicache_lab.managers.latency_model import GpuCosts, LatencyModel, ModelledClock
 from hicache_lab.managers.workload import Feeder, MooncakeWorkload
 
 E2E = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, vocab_size=32000)
@@ -17,7 +17,7 @@ E2E = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, 
 
 def test_a_step_costs_its_overhead_compute_and_the_loads_the_compute_does_not_hide():
     model = LatencyModel.of_stage(E2E, layers=16, tp=1, kv_bytes_per_token=262144)
-    costs = H200Costs()
+    costs = GpuCosts()
     assert model.step_ms([], [], 0, 0) == costs.step_overhead_ms  # an idle step
     # "Layer-wise load overlap"'s compute: 512 new tokens over 1,024 cached ones, 27.6 ms measured there
     assert model.step_ms([512], [1536], 0, 0) - costs.step_overhead_ms == pytest.approx(27.6, rel=0.05)
