@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelConfig
+from .schedule_batch import Req
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,8 @@ class ModelledClock:
         self.model, self.now_ms = model, 0.0
         self._charged: set[int] = set()  # requests whose storage reads a step paid for
 
-    def step(self, reqs: list, extend_lens: list[int], loaded: int) -> float:
-        """Advance by the step that ran `reqs` (Req) with `extend_lens`; returns the step's modelled ms."""
+    def step(self, reqs: list[Req], extend_lens: list[int], loaded: int) -> float:
+        """Advance by the step that ran `reqs` with `extend_lens`; returns the step's modelled ms."""
         fresh = [r for r in reqs if r.rid not in self._charged and r.cached_storage]
         self._charged.update(r.rid for r in fresh)
         ms = self.model.step_ms(extend_lens, [r.kv_len for r in reqs], loaded, sum(r.cached_storage for r in fresh))
