@@ -43,8 +43,8 @@ ENDING = ("completed", "crashed", "diverged", "outputs_match_reference", "error"
 
 @dataclass(frozen=True)
 class Run:
-    """One run: its configuration, its `summary.json` (a dict) and its directory; `rounds` (a row per round) and
-    `trace` (a row per rank and step, read from the directory) as DataFrames."""
+    """One run: its configuration, its `summary.json` (a dict) and its directory; `rounds` (a row per round: hit
+    rates, modelled and wall-clock TTFT) and `trace` (a row per rank and step) as DataFrames."""
 
     config: RunConfig
     summary: dict

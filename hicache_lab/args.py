@@ -151,6 +151,7 @@ FLAGS = [
     ("--output-length-dist", "workload", "output_length_dist", str, f"an answer's length (per turn): {DIST_HELP}"),
     ("--conversation-file", "workload", "conversation_file", str, "play ShareGPT-style JSON conversations instead"),
     ("--requests-file", "workload", "requests_file", str, "replay a run's requests.jsonl instead"),
+    ("--mooncake-slowdown-factor", "workload", "mooncake_slowdown_factor", finite_float, "x arrival times (0.5: 2x)"),
     ("--tp", "parallel", "tp", int, "attention tensor-parallel ranks (SGLang: --tp-size T*C)"),
     ("--cp", "parallel", "cp", int, "attention context-parallel ranks (SGLang: --attn-cp-size C)"),
     ("--pp", "parallel", "pp", int, "pipeline stages (SGLang: --pp-size)"),
@@ -180,6 +181,7 @@ DP_ATTENTION_HELP = (
 SWITCHES = [
     ("--enable-hierarchical-cache", "cache.enable_hierarchical_cache", bool, _switch("add the host tier (L2)")),
     ("--no-round-barrier", "workload.round_barrier", operator.not_, _switch("let each client run ahead of others")),
+    ("--use-trace-timestamps", "workload.use_trace_timestamps", bool, _switch("replay --trace-file at its times")),
     ("--disable-ignore-eos", "workload.ignore_eos", operator.not_, _switch(IGNORE_EOS_HELP)),
     ("--check-outputs", "check_outputs", bool, _switch("compare every output with a from-scratch run")),
     ("--device", "device", str, {"default": "cpu", "help": "cpu (gloo) or cuda (NCCL, CUDA streams) (default: cpu)"}),

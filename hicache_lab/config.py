@@ -202,6 +202,8 @@ class WorkloadConfig:
     seed: int = 0
     trace_file: str = ""  # a Mooncake JSONL trace to replay instead of the conversations (mooncake_trace.py)
     trace_block_tokens: int = 16  # lab tokens per trace hash id (Mooncake's blocks are 512 tokens)
+    use_trace_timestamps: bool = False  # arrivals at the trace's own times on the modelled clock (bench_serving's)
+    mooncake_slowdown_factor: float = 1.0  # x the trace's times: 0.5 replays it at twice its rate (bench_serving's)
     request_length_dist: str = "constant"  # or a distribution, e.g. uniform:64:256 (workload_files.py)
     sub_question_input_length_dist: str = "constant"
     output_length_dist: str = "constant"
@@ -215,10 +217,19 @@ class WorkloadConfig:
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
         require(self.sub_question_input_length >= 1, "--sub-question-input-length must be at least 1")
         require(self.trace_block_tokens >= 1, "--trace-block-tokens must be at least 1")
+        require(self.mooncake_slowdown_factor > 0, "--mooncake-slowdown-factor must be > 0 (0.5: twice the rate)")
+        require(
+            self.trace_file or not self.use_trace_timestamps,
+            "--use-trace-timestamps replays a trace at its own arrival times: give it --trace-file FILE",
+        )
+        require(
+            self.use_trace_timestamps or self.mooncake_slowdown_factor == 1,
+            "--mooncake-slowdown-factor scales the arrival times that only --use-trace-timestamps follows: add it",
+        )
         self.lengths()  # each distribution's grammar
         require(" and " not in self.source, f"{self.source}: give one workload file")
         if self.trace_file:
-            windows, requests = self.num_rounds if self.round_barrier else 1, len(self._trace_lengths())
+            windows, requests = self.trace_windows(), len(self._trace_lengths())
             require(requests >= windows, f"--trace-file holds {requests} requests, fewer than --num-rounds {windows}")
         held = len(read_conversations(self.conversation_file)) if self.conversation_file else self.num_clients
         require(
@@ -239,6 +250,10 @@ class WorkloadConfig:
         return " and ".join(
             f"--{name.replace('_', '-')} {getattr(self, name)}" for name in files if getattr(self, name)
         )
+
+    def trace_windows(self) -> int:
+        """Windows of equal count a trace splits into: rounds with the barrier or timed replay; else one."""
+        return self.num_rounds if self.round_barrier or self.use_trace_timestamps else 1
 
     def _trace_lengths(self) -> tuple[tuple[int, int], ...]:
         """(line, tokens of KV) of every request of the trace."""
@@ -357,8 +372,9 @@ class RunConfig:
             f"{self.cache.page_size}): a chunk ends at a page boundary, so it must hold a page; raise it, or -1",
         )
         require(
-            w.round_barrier or not self.cache.flush_between_rounds,
-            "--flush-cache-between-rounds flushes at the barrier between rounds: drop --no-round-barrier, or the flush",
+            (w.round_barrier and not w.use_trace_timestamps) or not self.cache.flush_between_rounds,
+            "--flush-cache-between-rounds flushes at the barrier between rounds: drop --no-round-barrier (or "
+            "--use-trace-timestamps, whose arrivals have no barrier), or the flush",
         )
         most_ms = self.parallel.collective_timeout_s * 1e3 / DELAY_TIMEOUT_RATIO
         require(

@@ -19,12 +19,13 @@ from .preflight import idle_flags
 
 
 def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
-    """One row per round: hit rates by tier against the infinite-cache bound, TTFT and step time."""
+    """One row per round: hit rates by tier against the infinite-cache bound, the modelled TTFT and step time
+    (managers/latency_model.py) and the wall clock's (`ttft_ms`, `step_ms`)."""
     rows = []
     for round_ in sorted({r.round for r in reqs}):
         batch = [r for r in reqs if r.round == round_]
         rids = {r.rid for r in batch}
-        steps = [s.ms for s in records if rids.intersection(s.requests)]
+        steps = [s for s in records if rids.intersection(s.requests)]
         prompt = sum(len(r.prompt) for r in batch)
         device = sum(r.cached_device for r in batch)
         host = sum(r.cached_host for r in batch)
@@ -40,24 +41,26 @@ def round_rows(reqs: list[Req], records: list[StepRecord]) -> list[dict]:
                 "cached_storage": storage,
                 "hit_rate": (device + host + storage) / prompt,
                 "upper_bound_hit_rate": sum(r.upper_bound_cached for r in batch) / prompt,
+                "modelled_ttft_ms": sum(r.modelled_first_token_ms - r.modelled_arrival_ms for r in batch) / len(batch),
+                "modelled_step_ms": sum(s.modelled_ms for s in steps) / max(1, len(steps)),
                 "ttft_ms": 1e3 * sum(r.first_token_at - r.arrival for r in batch) / len(batch),
-                "step_ms": sum(steps) / len(steps) if steps else 0.0,
+                "step_ms": sum(s.ms for s in steps) / max(1, len(steps)),
             }
         )
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    head = (
-        f"{'round':>5} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>7} {'hit':>6} {'bound':>6} "
-        f"{'ttft_ms':>8} {'step_ms':>8}"
-    )
-    lines = [head]
+def format_table(rows: list[dict], wall_clock: bool = True) -> str:
+    """The round table: TTFT and step time as modelled (managers/latency_model.py), then (`wall_clock`) timed."""
+    head = f"{'round':>5} {'prompt':>7} {'device':>7} {'host':>6} {'storage':>7} {'hit':>6} {'bound':>6} "
+    lines = [head + f"{'model_ttft':>10} {'model_step':>10}" + wall_clock * f" {'wall_ttft':>9} {'wall_step':>9}"]
     for r in rows:
         lines.append(
             f"{r['round']:>5} {r['prompt_tokens']:>7} {r['cached_device']:>7} {r['cached_host']:>6} "
-            f"{r['cached_storage']:>7} "
-            f"{r['hit_rate']:>6.1%} {r['upper_bound_hit_rate']:>6.1%} {r['ttft_ms']:>8.1f} {r['step_ms']:>8.2f}"
+            f"{r['cached_storage']:>7} {r['hit_rate']:>6.1%} {r['upper_bound_hit_rate']:>6.1%} "
+            f"{r['modelled_ttft_ms']:>10.1f} {r['modelled_step_ms']:>10.2f}"
+            + wall_clock
+            * f" {r['ttft_ms']:>9.1f} {r['step_ms']:>9.2f}"
         )
     return "\n".join(lines)
 
@@ -258,7 +261,7 @@ def divergence_words(summary: dict) -> str | None:
 
 def print_summary(summary: dict) -> None:
     print(f"equivalent SGLang flags: {summary['sglang_flags']}")
-    print(format_table(summary["rounds"]))
+    print(format_table(summary["rounds"], wall_clock=summary["config"]["device"] != "cpu"))
     if summary["diverged"]:
         d = summary["first_divergence"]
         print(f"diverged at step {d['step']} on {d['quantity']}: {d['values']}")

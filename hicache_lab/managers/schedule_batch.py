@@ -40,6 +40,8 @@ class Req:
     chunks: int = 0  # prefill forward passes it took beyond the first (chunked prefill)
     retractions: int = 0  # times decode memory ran out and it went back to the queue
     first_token_at: float = 0.0
+    modelled_arrival_ms: float = 0.0  # on its stage's modelled clock (latency_model.ModelledClock)
+    modelled_first_token_ms: float | None = None
 
     @property
     def finished(self) -> bool:

@@ -20,6 +20,10 @@ micro-batch, so a request decodes every `slots` iterations, in the slot that ran
 Every send of this loop is asynchronous and its handle kept until the next round starts, so no stage waits for a
 later one here: stages run up to a slot cycle apart, not in lockstep — which is why their polls of copy events
 see different things. (The cache's relay sends are drained every step: `CacheSync.drain_async_work`.)
+
+Each stage keeps a modelled clock (`latency_model.ModelledClock`), advanced by each step's modelled time; stage 0
+passes it to the `Feeder`, which stamps arrivals with it (a trace replayed at its timestamps arrives by it), and a
+request's first token is stamped with it after the step that sampled the token.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import torch.distributed as dist
 
 from ..distributed.cache_sync import CacheSync
 from ..distributed.parallel_state import Groups, group_rank_and_size, isend, recv
-from ..mem_cache.memory_pool import DeviceKVPool
+from ..mem_cache.memory_pool import DeviceKVPool, kv_bytes_per_token
 from ..model import TinyModel
+from .latency_model import LatencyModel, ModelledClock
 from .schedule_batch import Batch, Req
 from .scheduler import Scheduler
 from .step_trace import StepRecord, TraceWriter, consensus_values
@@ -87,6 +92,9 @@ class StageLoop:
         self.records: list[StepRecord] = []
         self.reqs: list[Req] = []  # every request this stage saw, in arrival order
         self._held: list[dist.Work] = []  # the relay send handles held at the last step's record
+        kv_bytes = kv_bytes_per_token(len(model.layers), model.num_local_heads, model.cfg.head_dim, model.dtype)
+        self.clock = ModelledClock(LatencyModel.of_stage(model.cfg, len(model.layers), model.tp_size, kv_bytes))
+        self._answered: list[Req] = []  # requests whose results were processed since the last step's record
 
     # -- point to point ----------------------------------------------------------------------------
 
@@ -153,17 +161,20 @@ class StageLoop:
             self.iteration += 1
         while in_flight:
             self._finish(in_flight.popleft())
+        self._stamp_first_tokens()
         self.drain_sends()
         self.sync.finish()
 
     def _exchange_requests(self) -> tuple[list[Req], bool, bool]:
         if self.pp_rank == 0:
             stop = self.feeder.done()
-            reqs, new_round = ([], False) if stop else self.feeder.arrivals()
+            reqs, new_round = ([], False) if stop else self.feeder.arrivals(self.clock)
             message = encode_requests(reqs, new_round, stop)
         else:
             message = self._recv_sized(self.pp_rank - 1)
             reqs, new_round, stop = decode_requests(message)
+            for req in reqs:
+                req.modelled_arrival_ms = self.clock.now_ms
         if self.pp_rank < self.last:
             self._send_sized(message, self.pp_rank + 1)
         return reqs, new_round, stop
@@ -220,6 +231,7 @@ class StageLoop:
                 self._send_sized(ring, self.pp_rank + 1)
             tokens, logits = ring.tolist(), None
         finished = self.scheduler.process_result(batch, tokens, logits)
+        self._answered += batch.reqs
         if self.feeder is not None:
             self.feeder.answered(finished)
 
@@ -232,9 +244,20 @@ class StageLoop:
         before = {id(work) for work in self._held}
         return [work for work in self.sync.work_list if id(work) not in before]
 
+    def _stamp_first_tokens(self) -> None:
+        """Stamp the modelled clock on the first tokens sampled by the results processed since the last record."""
+        for req in self._answered:
+            if req.first_token_at and req.modelled_first_token_ms is None:
+                req.modelled_first_token_ms = self.clock.now_ms
+        self._answered = []
+
     def _record(self, iteration: int, batch: Batch, start: float) -> StepRecord:
         prefill = batch.reqs if batch.kind == "prefill" else []
         extend = batch.forward.extend_lens if prefill else []
+        observed = self.scheduler.cache.observe()
+        lens = batch.forward.extend_lens if batch.forward else []
+        modelled = self.clock.step(batch.reqs, lens, observed.get("host_load_tokens", 0))
+        self._stamp_first_tokens()
         record = StepRecord(
             step=iteration,
             kind=batch.kind,
@@ -248,7 +271,8 @@ class StageLoop:
             relay_sent=len(self._new_relay_sends()),
             prefix_lens=[r.kv_len - n for r, n in zip(prefill, extend, strict=True)],
             extend_lens=list(extend),
-            **self.scheduler.cache.observe(),
+            modelled_ms=modelled,
+            **observed,
         )
         self._held = list(self.sync.work_list)
         self.records.append(record)

@@ -24,7 +24,7 @@ DIVERGENCE_QUANTITIES = ("acks_write", "acks_load", "extend_tokens", "prefix_tok
 class StepRecord:
     step: int
     kind: str  # "prefill", "decode" or "idle"
-    ms: float
+    ms: float  # wall clock
     requests: list[int]
     extend_tokens: int
     prefix_tokens: int
@@ -45,6 +45,7 @@ class StepRecord:
     evicted_nodes: list[list[int]] = dataclasses.field(default_factory=list)  # device copies dropped this step
     prefix_lens: list[int] = dataclasses.field(default_factory=list)  # a prefill's, per request (as `requests`)
     extend_lens: list[int] = dataclasses.field(default_factory=list)
+    modelled_ms: float = 0.0  # the step's modelled time (latency_model.py): deterministic where its batch is
 
 
 def consensus_values(record: StepRecord) -> dict[str, int]:

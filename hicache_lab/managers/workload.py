@@ -8,10 +8,12 @@ r+1 starts only when every client's round-r answer is done, which makes per-roun
 
 `MooncakeWorkload` replays a Mooncake trace instead (`mooncake_trace.py`): requests in timestamp order, split into
 `num_rounds` windows of equal count that play the part of rounds (with the barrier; without it, the whole trace
-arrives at once). `ConversationWorkload` plays conversations from a file, a client per record and a round per
-human turn; `ReplayWorkload` replays a run's requests.jsonl (`workload_files.py`). `InfiniteCache` measures
-the upper bound: the prefix an unbounded cache would have matched. `Feeder` is the one place requests come
-from (pipeline stage 0 hands them down to the other stages).
+arrives at once). With `use_trace_timestamps` each request arrives at its own time on stage 0's modelled clock
+(`latency_model.ModelledClock`), its time from the trace's first times `mooncake_slowdown_factor` (as SGLang's
+bench_serving); the windows then only group requests for the table. `ConversationWorkload` plays conversations
+from a file, a client per record and a round per human turn; `ReplayWorkload` replays a run's requests.jsonl
+(`workload_files.py`). `InfiniteCache` measures the upper bound: the prefix an unbounded cache would have matched.
+`Feeder` is the one place requests come from (pipeline stage 0 hands them down to the other stages).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..config import WorkloadConfig
 from ..mem_cache.utils import match_key, page_hashes, whole_pages
 from ..mooncake_trace import read_mooncake_trace
 from ..workload_files import RecordedRequest, read_conversations, read_recorded_requests, text_tokens
+from .latency_model import ModelledClock
 from .schedule_batch import Req
 
 
@@ -116,7 +119,7 @@ class MooncakeWorkload:
     def __init__(self, cfg: WorkloadConfig, vocab_size: int):
         self.cfg = cfg
         trace = read_mooncake_trace(cfg.trace_file, cfg.trace_block_tokens, cfg.output_length, vocab_size, cfg.seed)
-        windows = cfg.num_rounds if cfg.round_barrier else 1  # WorkloadConfig checked there are enough requests
+        windows = cfg.trace_windows()  # WorkloadConfig checked there are enough requests
         self.windows = [w.tolist() for w in np.array_split(np.arange(len(trace)), windows)]
         self.trace = trace
 
@@ -136,6 +139,14 @@ class MooncakeWorkload:
             )
             for i in self.windows[round_]
         ]
+
+    def timed_requests(self) -> list[Req]:
+        """Every request, in arrival order, each arriving at its trace time (from the first) x the slowdown."""
+        start, slowdown = self.trace[0].timestamp, self.cfg.mooncake_slowdown_factor
+        reqs = [req for round_ in range(len(self.windows)) for req in self.round_requests(round_)]
+        for req in reqs:
+            req.modelled_arrival_ms = (self.trace[req.rid].timestamp - start) * slowdown
+        return reqs
 
     def next_turn(self, req: Req) -> None:
         return None  # a trace's requests are independent; shared prefixes come from shared hash ids
@@ -182,25 +193,38 @@ class Feeder:
     """Stage 0's source of requests: hands out arrivals, learns of answers, knows when the workload is done.
 
     With the round barrier, round r+1 arrives once every round-r request is answered; without it, a client's
-    next turn arrives as soon as its previous one is answered.
+    next turn arrives as soon as its previous one is answered. A trace replayed at its timestamps has no barrier:
+    a request arrives once the modelled clock reaches its time, and when nothing runs the clock moves on to it.
     """
 
     def __init__(self, workload: Workload, page_size: int, prior=frozenset()):
         self.workload, self.cfg = workload, workload.cfg
+        self.timed = workload.cfg.use_trace_timestamps
+        self.barrier = workload.cfg.round_barrier and not self.timed
         self.bound = InfiniteCache(page_size, prior)
         self.arrived: list[Req] = []
-        self.queued = workload.round_requests(0)
+        self.queued = workload.timed_requests() if self.timed else workload.round_requests(0)
         self.next_round = 1
         self.outstanding = 0
 
-    def arrivals(self) -> tuple[list[Req], bool]:
-        """Requests arriving now, and whether they open a new round (the pipeline is then empty)."""
-        new_round = bool(self.queued) and self.outstanding == 0 and (self.cfg.round_barrier or not self.arrived)
-        if not self.cfg.round_barrier or new_round:
+    def arrivals(self, clock: ModelledClock) -> tuple[list[Req], bool]:
+        """Requests arriving now (at `clock`), and whether they open a new round (the pipeline is then empty)."""
+        new_round = bool(self.queued) and self.outstanding == 0 and (self.barrier or not self.arrived)
+        if self.timed:
+            if self.outstanding == 0 and self.queued:  # nothing runs: the clock moves on to the next arrival
+                clock.wait_until(self.queued[0].modelled_arrival_ms)
+            due = next((i for i, r in enumerate(self.queued) if r.modelled_arrival_ms > clock.now_ms), len(self.queued))
+            arriving, self.queued = self.queued[:due], self.queued[due:]
+            new_round = new_round and bool(arriving)
+        elif not self.barrier or new_round:
             arriving, self.queued = self.queued, []
         else:
             arriving = []
         for req in arriving:
+            if self.timed:
+                req.arrival = time.perf_counter()  # the wall clock's arrival: when it is let in
+            else:
+                req.modelled_arrival_ms = clock.now_ms
             req.upper_bound_cached = self.bound.match(req)
             self.bound.add(req, req.prompt)
         self.arrived += arriving
@@ -212,10 +236,10 @@ class Feeder:
             self.workload.answered(req)
             self.bound.add(req)
             self.outstanding -= 1
-            following = None if self.cfg.round_barrier else self.workload.next_turn(req)
+            following = None if self.barrier else self.workload.next_turn(req)
             if following is not None:
                 self.queued.append(following)
-        if self.cfg.round_barrier and self.outstanding == 0 and self.next_round < self.cfg.num_rounds:
+        if self.barrier and self.outstanding == 0 and self.next_round < self.cfg.num_rounds:
             self.queued = self.workload.round_requests(self.next_round)
             self.next_round += 1
 

@@ -35,7 +35,7 @@ def test_run_writes_summary_and_requests(tmp_path):
     assert summary["completed"] and not summary["crashed"] and summary["outputs_match_reference"] is True
     assert summary["provenance"]["command"] == "python -m hicache_lab run " + " ".join(cmd[4:])  # as typed
     round_keys = {"round", "prompt_tokens", "cached_tokens", "cached_device", "cached_host", "cached_storage"}
-    round_keys |= {"hit_rate", "upper_bound_hit_rate", "ttft_ms", "step_ms"}
+    round_keys |= {"hit_rate", "upper_bound_hit_rate", "modelled_ttft_ms", "modelled_step_ms", "ttft_ms", "step_ms"}
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2]
     assert round_keys <= set(summary["rounds"][0])
 
