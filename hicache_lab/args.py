@@ -76,6 +76,15 @@ FLAGS = [
         "and every copy moves half the bytes. Norms, RoPE, softmax and the logits stay float32; --check-outputs "
         "then allows a logit error of 0.25 (float32: 1e-3) and is refused at --tp above 1",
     ),
+    (
+        "--priced-as",
+        "model",
+        "priced_as",
+        str,
+        "the model whose cost the modelled latency (model_ttft, model_step) prices: run, this run's model; or "
+        "bench, the 0.9B fp32 model of BENCHMARKS.md's GPU rows (16 layers, hidden 2048), its share of layers per "
+        "stage, where a hit saves what recomputing it would cost a server (docs/latency.md)",
+    ),
     ("--max-total-tokens", "cache", "max_total_tokens", int, "device (L1) KV pool size in tokens"),
     ("--page-size", "cache", "page_size", int, "tokens per page; cache keys and slots are page-aligned"),
     ("--hicache-ratio", "cache", "hicache_ratio", finite_float, "host pool size as a multiple of the device pool"),

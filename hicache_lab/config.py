@@ -22,6 +22,7 @@ STORAGE_WRITERS = ("every-rank", "one")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16")  # of the weights, activations and every KV pool (SGLang serves bf16)
+PRICED_MODELS = ("run", "bench")  # what the modelled latency prices: the run's model, or BENCHMARKS.md's
 DELAY_TIMEOUT_RATIO = 100  # --injected-delay-ms stays under this fraction of --collective-timeout
 # A DMA staging chunk (mem_cache/staging_ring.py): K and V of several runs of 4 MiB or more, so that few runs are
 # cut in two; each rank keeps 4 chunks per direction on the device (256 MiB in all).
@@ -43,10 +44,12 @@ class ModelConfig:
     logit_scale: float = 8.0  # widens the top-1 margin so cached and recomputed runs pick the same tokens
     seed: int = 0
     dtype: str = "float32"
+    priced_as: str = "run"  # the model whose cost the modelled latency prices (latency_model.py)
 
     def __post_init__(self) -> None:
         require_numbers(self)
         require_choice(self.dtype, DTYPES, "--dtype")
+        require_choice(self.priced_as, PRICED_MODELS, "--priced-as")
         for name in ("num_layers", "hidden_size", "num_heads", "mlp_size"):
             require(getattr(self, name) >= 1, f"--{name.replace('_', '-')} must be at least 1")
         require(self.vocab_size >= 2, "--vocab-size must be at least 2 (greedy sampling needs a choice)")

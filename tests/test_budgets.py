@@ -15,7 +15,7 @@ import hicache_lab
 
 GROUND = (*LAYERS[: LAYERS.index("distributed")], "__main__")  # the ground: below the core, and the CLI
 ROOMS = {"core": CORE, "ground": GROUND, "entrypoints": ("entrypoints",), "wing": ("lab", "api")}
-ROOM_LINES = {"core": 5500, "ground": 1550, "entrypoints": 2200, "wing": 8750}
+ROOM_LINES = {"core": 5500, "ground": 1600, "entrypoints": 2250, "wing": 9000}
 FILE_LINES = {"core": 500, "ground": 400}  # by room; any other file of code: MAX_LINES
 MAX_LINES = 300
 FUNCTION_LINES = 60

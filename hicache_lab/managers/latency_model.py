@@ -15,7 +15,9 @@ TTFT is the clock after the step that sampled its first token minus the clock wh
 * overhead: the lab's own work per step (scheduler, cache, bookkeeping), idle steps included.
 
 Backups device -> host cost nothing: they run on the copy engine's own stream. KV bytes per token are the run's
-(its layers, heads, head size and dtype). What the model leaves out is in docs/latency.md.
+(its layers, heads, head size and dtype). `--priced-as bench` prices the 0.9B model of those rows instead
+(`BENCH_MODEL`, the stage's share of its layers): the run's steps, hits and loads, at a server's cost per token.
+What the model leaves out is in docs/latency.md.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class GpuCosts:
     step_overhead_ms: float = 1.18
 
 
+# The model BENCHMARKS.md's GPU rows measure (bench/e2e_ttft.py, bench/load_overlap.py): `--priced-as bench`
+BENCH_MODEL = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, vocab_size=32000)
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """One stage's shape (weights and KV bytes per token on this rank) priced by `costs`."""
@@ -57,7 +63,11 @@ class LatencyModel:
 
     @classmethod
     def of_stage(cls, model: ModelConfig, layers: int, tp: int, kv_bytes_per_token: int) -> LatencyModel:
-        """The model of a rank holding `layers` layers of `model` and a 1/`tp` share of its heads and MLP."""
+        """The model of a rank holding `layers` layers of `model` and a 1/`tp` share of its heads and MLP; with
+        `model.priced_as` "bench", of the same share of `BENCH_MODEL`'s layers (fp32 KV, K and V per layer)."""
+        if model.priced_as == "bench":
+            layers = max(1, round(layers * BENCH_MODEL.num_layers / model.num_layers))
+            model, kv_bytes_per_token = BENCH_MODEL, layers * 2 * BENCH_MODEL.hidden_size * 4 // tp
         h, m = model.hidden_size, model.mlp_size
         return cls(layers * (4 * h * h + 3 * h * m) // tp, layers * h // tp, kv_bytes_per_token)
 

@@ -9,10 +9,10 @@ import pytest
 
 from hicache_lab.config import ModelConfig, WorkloadConfig
 from hicache_lab.errors import ConfigError
-from hicache_lab.managers.latency_model import GpuCosts, LatencyModel, ModelledClock
+from hicache_lab.managers.latency_model import BENCH_MODEL, GpuCosts, LatencyModel, ModelledClock
 from hicache_lab.managers.workload import Feeder, MooncakeWorkload
 
-E2E = ModelConfig(num_layers=16, hidden_size=2048, num_heads=16, mlp_size=5632, vocab_size=32000)
+E2E = BENCH_MODEL
 
 
 def test_a_step_costs_its_overhead_compute_and_the_loads_the_compute_does_not_hide():
@@ -26,6 +26,18 @@ def test_a_step_costs_its_overhead_compute_and_the_loads_the_compute_does_not_hi
     assert model.step_ms([1], [2000], 0, 0) > model.step_ms([1], [100], 0, 0)  # a decode reads its whole context
     halves = LatencyModel.of_stage(E2E, layers=8, tp=2, kv_bytes_per_token=65536)
     assert halves.weights * 4 == model.weights  # half the layers, half of each
+
+
+def test_priced_as_bench_a_stage_costs_its_share_of_the_bench_model_and_a_hit_saves_more_than_its_load():
+    """`--priced-as bench`: the tiny model's stage of 2 of its 4 layers is priced as 8 of the bench model's 16."""
+    tiny = ModelConfig(priced_as="bench")
+    stage = LatencyModel.of_stage(tiny, layers=2, tp=1, kv_bytes_per_token=1024)
+    half = LatencyModel.of_stage(E2E, layers=8, tp=1, kv_bytes_per_token=8 * 2 * 2048 * 4)
+    assert stage == half
+    assert LatencyModel.of_stage(ModelConfig(), layers=2, tp=1, kv_bytes_per_token=1024).weights < stage.weights / 1000
+    recompute = stage.step_ms([256], [256], 0, 0)
+    load = stage.step_ms([1], [256], 255, 0)  # the same prompt, 255 tokens loaded from the host
+    assert load < recompute / 2, (load, recompute)
 
 
 def write_trace(path, times: list[int]) -> str:
