@@ -101,6 +101,7 @@ def _merge_scheduling(results: list[dict]) -> dict:
 def write_requests(out_dir: Path, reqs: list[Req]) -> None:
     """Every request in arrival order, to replay the same workload: here (`--requests-file`), or elsewhere."""
     keys = ("rid", "round", "client", "prompt", "max_new_tokens", "ignore_eos", "output")
+    keys += ("modelled_arrival_ms", "modelled_first_token_ms")  # on stage 0's modelled clock (latency_model.py)
     lines = [{key: getattr(r, key) for key in keys} for r in reqs]
     write_file(Path(out_dir) / "requests.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
 
