@@ -294,3 +294,12 @@ def test_the_design_prediction_is_checked_against_the_measurement():
         assert not answer.ok and f"not yet: {part}" in str(answer), str(answer)
     unmade = check_prediction(MEASURED, **{**RIGHT_PREDICTION, "stage_0_messages": {"chain": 1, "star": None}})
     assert not unmade.ok and "measured on" not in str(unmade), "the numbers only once every part is predicted"
+
+
+def test_the_labs_own_function_is_no_answer_and_is_judged_before_any_world(tmp_path):
+    """Given as the answer, the lab's own relay (or the design question's star) does the exercise's work: the
+    check says so from the source, before any world runs (the two wrong answers of WRONG call the lab's own)."""
+    for spec in ("hicache_lab.distributed.cache_sync:CacheSync._pp_sync", "hicache_lab.lab.teach.questions:star"):
+        verdict = check(pp_sync=spec, out_dir=tmp_path)
+        assert not verdict.ok and verdict.mistake == "uses_the_lab_own", str(verdict)
+        assert "is the lab's own (hicache_lab/" in str(verdict) and not any(tmp_path.iterdir())

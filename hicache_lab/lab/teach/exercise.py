@@ -138,34 +138,37 @@ LAB_OWN = {  # slot -> the lab's methods that do its work, which an answer must 
 }
 
 
-def lab_own_calls(spec: str) -> tuple[str, set[str]] | None:
-    """The function a `--sync-impl` spec names and the lab's methods (`LAB_OWN`) its source refers to, read
-    without running it; None where its source cannot be found (the run's import then says why)."""
+PACKAGE = Path(__file__).resolve().parents[2]  # the lab's own source: hicache_lab/
+
+
+def lab_own_calls(spec: str) -> str | None:
+    """What of the lab's own the function a `--sync-impl` spec names is, or calls (`LAB_OWN`), read from its
+    source without running it: the words of a verdict; None where it is neither, or where its source cannot be
+    read (the run's import then says why)."""
     slot, _, target = spec.partition("=")
     module, _, name = target.rpartition(":")
-    if module.endswith(".py"):
-        source = Path(module)
-    else:
-        found = importlib.util.find_spec(module) if module else None
-        source = Path(found.origin) if found and found.origin else None
-    if source is None or not source.is_file():
+    try:
+        found = None if module.endswith(".py") or not module else importlib.util.find_spec(module)
+        source = Path(module) if module.endswith(".py") else Path(found.origin) if found and found.origin else None
+        tree = ast.parse(source.read_text()) if source is not None and source.is_file() else None
+    except (ImportError, ValueError, SyntaxError, OSError, UnicodeDecodeError):  # the run's import says why
         return None
-    tree = ast.parse(source.read_text())
+    if tree is None:
+        return None
+    if source.resolve().is_relative_to(PACKAGE):
+        return f"{name} is the lab's own ({source.resolve().relative_to(PACKAGE.parent)})"
     node = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name.split(".")[-1]), None)
-    if node is None:
-        return None
-    names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)}
-    names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
-    return name, names & LAB_OWN[slot]
+    names = {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)} if node else set()
+    names |= {n.id for n in ast.walk(node) if isinstance(n, ast.Name)} if node else set()
+    used = names & LAB_OWN[slot]
+    return f"{name} calls the lab's own {', '.join(sorted(used))}" if used else None
 
 
 def judge_lab_own(verdict: Verdict, specs: tuple[str, ...]) -> None:
-    """A function that calls the lab's own method for its slot does not do the exercise: the verdict says so
+    """A function that is, or calls, the lab's own for its slot does not do the exercise: the verdict says so
     before any world runs."""
     for spec in specs:
-        found = lab_own_calls(spec)
-        if found and found[1]:
-            what = f"{found[0]} calls the lab's own {', '.join(sorted(found[1]))}"
+        if (what := lab_own_calls(spec)) is not None:
             verdict.ok, verdict.mistake = False, "uses_the_lab_own"
             verdict.lines.append(f"before any world: WRONG (uses_the_lab_own) {mistake_text('uses_the_lab_own', what)}")
             return
